@@ -1,0 +1,66 @@
+# LLM Systems Lab. `make grade` grades student/; `make test` checks the whole kit. `make help` lists targets.
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+IMPL ?= student
+STAGE ?=
+GPU ?=
+STAMP := $(VENV)/.setup-stamp$(if $(GPU),-gpu)
+HAVE_REFERENCE := $(wildcard reference/__init__.py)
+export PYTHONDONTWRITEBYTECODE := 1
+
+.PHONY: help setup grade test test-reference test-kit lint student check-student release autograder \
+        notebooks bench doctor clean
+
+help: ## list the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-16s %s\n", $$1, $$2}'
+
+setup: $(STAMP) ## create .venv with everything installed (GPU=1 keeps your CUDA torch)
+$(STAMP): pyproject.toml constraints-cpu.txt
+	@test -x $(PY) || $(PYTHON) -m venv $(if $(GPU),--system-site-packages) $(VENV)
+	$(PY) -m kit.bootstrap $(if $(GPU),--gpu)
+	@touch $@
+
+grade: setup ## grade student/ (IMPL=reference|PATH, STAGE=1 or 1,2) and print the score table
+	$(PY) -m kit grade --impl $(IMPL) $(if $(STAGE),--stage $(STAGE)) --json grading-output/results.json
+
+ifeq ($(HAVE_REFERENCE),)
+# A student release: the tests are the graded suite on your code.
+test: setup lint grade ## lint, then grade student/
+else
+test: setup lint check-student test-reference ## everything CI checks: lint, stubs fresh, full suite on the reference
+	@echo "make test: all checks passed"
+endif
+
+test-reference: setup ## the whole suite (graded, kit, notebooks) against the reference
+	$(PY) -m pytest tests --impl reference $(if $(STAGE),-m stage$(STAGE))
+
+test-kit: setup ## only the kit's own tests (grader, release, spawn helper)
+	$(PY) -m pytest tests/kit --impl reference
+
+lint: setup ## ruff
+	$(PY) -m ruff check .
+
+student: setup ## regenerate student/ from reference/ (never edit student/ by hand)
+	$(PY) -m kit release --student
+
+check-student: setup ## fail when student/ is stale
+	$(PY) -m kit release --check
+
+release: setup ## build dist/student-release/ (no reference, no hidden tests)
+	$(PY) -m kit release --build
+
+notebooks: setup ## regenerate notebooks/*.ipynb from their jupytext .py twins
+	$(PY) -m jupytext --to ipynb --update notebooks/[0-9]*.py
+
+bench: setup ## run every benchmark at the sizes that fit this machine
+	@for b in benchmarks/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+
+doctor: setup ## what this machine can run
+	$(PY) -m kit doctor
+
+clean: ## remove build outputs (keeps .venv)
+	rm -rf dist grading-output .pytest_cache .ruff_cache
+	find . -name __pycache__ -prune -exec rm -rf {} +

@@ -1,0 +1,118 @@
+"""Command line: ``python -m kit {grade,release,doctor,nsys-summary}``. ``--help`` on each for details."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def _stages(text: str | None) -> list[int] | None:
+    if not text:
+        return None
+    stages = [int(s) for s in text.split(",")]
+    bad = [s for s in stages if not 1 <= s <= 6]
+    if bad:
+        raise SystemExit(f"--stage takes numbers 1–6 separated by commas, got {text!r}")
+    return stages
+
+
+def cmd_grade(args: argparse.Namespace) -> int:
+    from kit import grader
+
+    kwargs = dict(stages=_stages(args.stage), include_hidden=args.hidden, timeout=args.timeout,
+                  per_test_timeout=args.per_test_timeout)
+    if args.batch:
+        out = Path(args.out or Path(args.batch) / "_grades")
+        results = grader.grade_batch(Path(args.batch), out, **kwargs)
+        for r in results:
+            print(f"{r.submission:<30} {r.score:>6g} / {r.max_score:<6g} {r.status} {r.message}")
+        print(f"\nwrote {out}/<submission>/results.json and {out / 'gradebook.csv'}")
+        return 0
+    try:
+        result = grader.grade(args.impl, **kwargs)
+    except FileNotFoundError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if result.status == "error":
+        print(result.output[-6000:], file=sys.stderr)
+        print(f"error: could not grade {args.impl}: {result.message}", file=sys.stderr)
+        return 2
+    print(grader.format_table(result))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(grader.gradescope_json(result), indent=2))
+        print(f"\nwrote {args.json}")
+    return 0  # a score of 0 is a result, not an error
+
+
+def cmd_release(args: argparse.Namespace) -> int:
+    from kit import release
+
+    if args.student:
+        written = release.write_student()
+        print(f"regenerated student/ from reference/ ({len(written)} files)")
+    if args.check:
+        stale = release.stale_student_files()
+        if stale:
+            print("student/ is stale — run `make student`: " + ", ".join(stale), file=sys.stderr)
+            return 1
+        print("student/ is up to date with reference/")
+    if args.build:
+        out = release.build_release(Path(args.out) if args.out else release.ROOT / "dist" / "student-release")
+        print(f"built the student release in {out}")
+    return 0
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from kit.doctor import report
+
+    print(report())
+    return 0
+
+
+def cmd_nsys_summary(args: argparse.Namespace) -> int:
+    from kit.nsys import format_summary, summarize_nsys_csv
+
+    rows = summarize_nsys_csv(Path(args.nvtx_csv), Path(args.kern_csv) if args.kern_csv else None)
+    print(format_summary(rows))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kit", description="LLM Systems Lab tools")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("grade", help="grade student/, reference/, a submission folder, or a batch of them")
+    g.add_argument("--impl", default="student", help="student (default), reference, or a submission folder")
+    g.add_argument("--stage", help="only these stages, e.g. 1 or 1,2")
+    g.add_argument("--json", help="write Gradescope results.json here")
+    g.add_argument("--batch", help="grade every subfolder of this folder")
+    g.add_argument("--out", help="with --batch: where results and gradebook.csv go (default BATCH/_grades)")
+    g.add_argument("--hidden", action="store_true", help="include the instructor-only hidden tests")
+    g.add_argument("--timeout", type=float, default=1800.0, help="wall-clock seconds per submission")
+    g.add_argument("--per-test-timeout", type=float, default=300.0, help="seconds per test")
+    g.set_defaults(func=cmd_grade)
+
+    r = sub.add_parser("release", help="regenerate student/ and build the student release")
+    r.add_argument("--student", action="store_true", help="regenerate student/ from reference/")
+    r.add_argument("--check", action="store_true", help="fail when student/ is stale")
+    r.add_argument("--build", action="store_true", help="build dist/student-release/")
+    r.add_argument("--out", help="release folder (default dist/student-release)")
+    r.set_defaults(func=cmd_release)
+
+    d = sub.add_parser("doctor", help="what this machine can run: versions, CUDA, Triton mode, nsys")
+    d.set_defaults(func=cmd_doctor)
+
+    n = sub.add_parser("nsys-summary", help="kernel time per NVTX range from `nsys stats` CSV files")
+    n.add_argument("nvtx_csv", help="CSV of `nsys stats --report nvtx_sum --format csv`")
+    n.add_argument("kern_csv", nargs="?", help="CSV of `nsys stats --report cuda_gpu_kern_sum --format csv`")
+    n.set_defaults(func=cmd_nsys_summary)
+
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

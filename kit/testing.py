@@ -1,0 +1,77 @@
+"""Comparisons whose failure messages teach.
+
+A failing check names the quantity, the tolerance, the worst element and where it is, and the
+handout section to reread — so a student learns from the message instead of from a stack trace.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _fmt_index(flat_index: int, shape: torch.Size) -> str:
+    if len(shape) == 0:
+        return "()"
+    idx = []
+    for dim in reversed(shape):
+        idx.append(flat_index % dim)
+        flat_index //= dim
+    return "(" + ", ".join(str(i) for i in reversed(idx)) + ")"
+
+
+def assert_close(
+    actual: torch.Tensor,
+    expected: torch.Tensor,
+    *,
+    name: str,
+    section: str,
+    rtol: float = 1e-5,
+    atol: float = 1e-6,
+    check_dtype: bool = False,
+) -> None:
+    """Assert ``|actual - expected| <= atol + rtol * |expected|`` elementwise, explaining any failure.
+
+    Args:
+        actual: the implementation's tensor.
+        expected: the trusted value (usually computed in float64).
+        name: the quantity, e.g. ``"dQ"`` or ``"rank 1 parameter fc1.weight after step 3"``.
+        section: the handout section that explains the quantity, e.g. ``"handout/03 §3.4"``.
+    """
+    if not isinstance(actual, torch.Tensor):
+        raise AssertionError(f"{name}: expected a torch.Tensor, got {type(actual).__name__}. See {section}.")
+    if tuple(actual.shape) != tuple(expected.shape):
+        raise AssertionError(
+            f"{name}: shape {tuple(actual.shape)} but expected {tuple(expected.shape)}. See {section}."
+        )
+    if check_dtype and actual.dtype != expected.dtype:
+        raise AssertionError(f"{name}: dtype {actual.dtype} but expected {expected.dtype}. See {section}.")
+    a = actual.detach().to("cpu", torch.float64)
+    e = expected.detach().to("cpu", torch.float64)
+    if a.numel() == 0:
+        return
+    nonfinite = ~torch.isfinite(a) & torch.isfinite(e)
+    if nonfinite.any():
+        i = int(nonfinite.flatten().nonzero()[0])
+        raise AssertionError(
+            f"{name}: {int(nonfinite.sum())} of {a.numel()} elements are inf/nan where the expected value is "
+            f"finite; first at index {_fmt_index(i, a.shape)}: got {a.flatten()[i].item()}, expected "
+            f"{e.flatten()[i].item():.6g}. See {section}."
+        )
+    err = (a - e).abs()
+    bound = atol + rtol * e.abs()
+    excess = torch.where(torch.isfinite(e), err - bound, torch.zeros_like(err))
+    if (excess > 0).any():
+        i = int(excess.flatten().argmax())
+        n_bad = int((excess > 0).sum())
+        raise AssertionError(
+            f"{name}: {n_bad} of {a.numel()} elements outside tolerance (rtol={rtol:g}, atol={atol:g}). "
+            f"Worst at index {_fmt_index(i, a.shape)}: got {a.flatten()[i].item():.6g}, expected "
+            f"{e.flatten()[i].item():.6g} (|diff| {err.flatten()[i].item():.3g} > allowed "
+            f"{bound.flatten()[i].item():.3g}); max |diff| overall {err.max().item():.3g}. See {section}."
+        )
+
+
+def assert_equal(actual, expected, *, name: str, section: str) -> None:
+    """Assert plain equality of Python values with a message in the same style as :func:`assert_close`."""
+    if actual != expected:
+        raise AssertionError(f"{name}: got {actual!r}, expected {expected!r}. See {section}.")

@@ -1,0 +1,76 @@
+"""One suite grades either implementation: ``pytest --impl reference`` or ``--impl student`` (default).
+
+Tests reach the solution code only through the ``impl`` fixture (``impl.benchmarking.time_fn``), so the
+same files grade the student package, the reference, or a staged submission. ``$LLMSYS_IMPL`` works
+too and is what spawned ranks and notebooks read.
+
+Every test in a ``test_stage*.py`` file carries one ``stageN`` marker and a ``points(n)`` marker; the
+grader turns them into a score. ``gpu`` tests are skipped, loudly, on machines without CUDA and are
+not graded. ``tests/kit`` holds the kit's own tests (grader, release, spawn helper), never graded.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+
+import kit  # noqa: F401 — sets TRITON_INTERPRET before anything imports triton
+import pytest
+import torch
+from kit import impl as impl_module
+
+TESTS = Path(__file__).resolve().parent
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--impl",
+        default=None,
+        choices=impl_module.CHOICES,
+        help=f"implementation to grade: student (default) or reference; ${impl_module.ENV_VAR} works too",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    choice = impl_module.selected(config.getoption("--impl"))
+    # Spawned ranks and notebook kernels inherit the environment, so they load the same package.
+    os.environ[impl_module.ENV_VAR] = choice
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU only"
+    return f"llm-systems-lab: grading impl={impl_module.selected()} · torch {torch.__version__} · {device}"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    problems = []
+    for item in items:
+        path = Path(str(item.path))
+        if path.name.startswith("test_stage"):
+            stages = [m.name for m in item.iter_markers() if m.name[:5] == "stage" and m.name[5:].isdigit()]
+            has_points = item.get_closest_marker("points") is not None
+            is_gpu = item.get_closest_marker("gpu") is not None
+            if len(set(stages)) != 1:
+                problems.append(f"{item.nodeid}: needs exactly one stageN marker, has {stages}")
+            if not has_points and not is_gpu:
+                problems.append(f"{item.nodeid}: graded tests need a points(n) marker")
+            if is_gpu and has_points:
+                problems.append(f"{item.nodeid}: gpu tests are checks, not graded: drop points(n)")
+        if item.get_closest_marker("gpu") and not torch.cuda.is_available():
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU — this check runs on GPU machines only"))
+    if problems:
+        raise pytest.UsageError("test suite markers are inconsistent:\n  " + "\n  ".join(problems))
+
+
+@pytest.fixture(scope="session")
+def impl() -> impl_module.Implementation:
+    """The implementation under test: ``impl.<module>`` imports ``student.<module>`` or ``reference.<module>``."""
+    return impl_module.load()
+
+
+@pytest.fixture(autouse=True)
+def _deterministic() -> None:
+    # Same seeds for every test: grading one submission twice gives the same score.
+    torch.manual_seed(0)
+    random.seed(0)
