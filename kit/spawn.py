@@ -187,7 +187,7 @@ def run_on_ranks(
         backend: ``"gloo"``, ``"nccl"`` or ``None`` (NCCL when there are enough GPUs, else gloo).
 
     Raises:
-        RankFailedError: a rank raised; the message has its traceback (the lowest failing rank first).
+        RankFailedError: a rank raised; the message has the traceback of the first rank that failed.
         RankTimeoutError: the ranks did not finish in time; the message has their stacks.
     """
     if not callable(fn):
@@ -218,7 +218,7 @@ def run_on_ranks(
         for p in procs:
             p.start()
         values: dict[int, Any] = {}
-        errors: dict[int, str] = {}
+        errors: dict[int, str] = {}  # in order of arrival
         deadline = time.monotonic() + timeout
         try:
             while len(values) + len(errors) < world_size:
@@ -252,12 +252,25 @@ def run_on_ranks(
                         except queue.Empty:
                             pass
                     break
+            # A rank that died without reporting (os._exit, a signal, the OOM killer) caused whatever its
+            # peers then reported, so it leads.
+            time.sleep(0.1)
+            silent = [
+                r for r, p in enumerate(procs)
+                if r not in values and r not in errors and not p.is_alive() and p.exitcode not in (0, None)
+            ]
+            if silent:
+                errors = {
+                    **{r: f"rank {r} exited with code {procs[r].exitcode} without reporting" for r in silent},
+                    **errors,
+                }
             if errors:
-                first = min(errors)
-                others = sorted(set(errors) - {first})
+                # The first error to arrive is the cause; later ones are usually peers losing their connection.
+                first = next(iter(errors))
+                others = [r for r in errors if r != first]
                 raise RankFailedError(
                     f"rank {first} of {world_size} failed"
-                    + (f" (ranks {others} failed too)" if others else "")
+                    + (f" (then ranks {others}, most likely as a consequence)" if others else "")
                     + f":\n{errors[first]}"
                 )
             if len(values) < world_size:
