@@ -206,8 +206,9 @@ def run_suite(
         result.tests.append(t)
     if code is None:
         result.status, result.message = "timeout", f"the submission ran past its {timeout:g} s limit and was stopped"
-    elif code not in (0, 1):
-        result.status, result.message = "crashed", f"the test run ended abnormally (exit code {code})"
+    elif code not in (0, 1) or not any(e["event"] == "finished" for e in events):
+        result.status = "crashed"
+        result.message = f"the test run ended before it finished (exit code {code}); unreported tests count as failed"
     return result
 
 
@@ -289,7 +290,9 @@ def format_table(result: GradeResult) -> str:
         for t in failed:
             if t.stage == stage:
                 seen.setdefault(_first_problem(t), []).append(t.name)
-        lines += ["", f"What to work on first (Stage {stage}, handout/0{stage}-*.md):"]
+        chapter = next(iter(sorted((ROOT / "handout").glob(f"0{stage}-*.md"))), None)
+        where = f"handout/{chapter.name}" if chapter else "the handout"
+        lines += ["", f"What to work on first (Stage {stage}, {where}):"]
         for problem, names in list(seen.items())[:12]:
             more = f" (+{len(names) - 1} more)" if len(names) > 1 else ""
             lines.append(f"  - {problem}\n      failing: {names[0]}{more}")

@@ -4,7 +4,8 @@ It appends one JSON line per event to the log, flushed at once, so the grader st
 if the interpreter dies halfway:
 
 * ``{"event": "collected", "tests": [...]}`` — every graded test with its points, stage and visibility;
-* ``{"event": "report", "nodeid", "when", "outcome", "longrepr", "duration"}`` — each phase's result.
+* ``{"event": "report", "nodeid", "when", "outcome", "longrepr", "duration"}`` — each phase's result;
+* ``{"event": "finished"}`` — the session ended normally (a run that calls ``os._exit(0)`` never writes it).
 
 A test counts as passed only when its setup, call and teardown all passed; a test with no report
 (the run crashed or was killed) counts as failed. It also enforces a per-test time limit
@@ -63,6 +64,11 @@ def graded_info(item: pytest.Item) -> dict | None:
 def pytest_collection_finish(session: pytest.Session) -> None:
     tests = [info for item in session.items if (info := graded_info(item)) is not None]
     _write({"event": "collected", "tests": tests, "time": time.time()})
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    # Without this event the grader knows the run was cut short, whatever exit code the process gave.
+    _write({"event": "finished", "exitstatus": int(exitstatus), "time": time.time()})
 
 
 class TestTimeout(Exception):

@@ -76,6 +76,7 @@ def time_fn(
     Returns:
         :class:`TimingStats` in seconds per call.
     """
+    # BEGIN SOLUTION check the arguments, warm up untimed, then time each call between two sync() calls with clock() (handout 01 §1)
     if not callable(fn):
         raise TypeError(f"fn must be callable, got {type(fn).__name__}")
     if not isinstance(warmup, int) or warmup < 0:
@@ -85,7 +86,6 @@ def time_fn(
     if sync is not None and not callable(sync):
         raise TypeError(f"sync must be callable or None, got {type(sync).__name__}")
     sync = sync or default_sync()
-    # BEGIN SOLUTION warm up untimed, then time each call between two sync() calls with clock() (handout 01 §1)
     for _ in range(warmup):
         fn()
     sync()

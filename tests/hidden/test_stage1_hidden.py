@@ -1,0 +1,29 @@
+"""Stage 1 — instructor-only checks (not in the student release)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.stage1, pytest.mark.hidden]
+
+
+@pytest.mark.points(1)
+def test_time_fn_single_iteration(impl):
+    """One timed call: std is 0 and every statistic equals the one sample."""
+    ticks = iter([0.0, 0.25])
+    stats = impl.benchmarking.time_fn(lambda: None, warmup=0, iters=1, sync=lambda: None, clock=lambda: next(ticks))
+    assert (stats.mean, stats.std, stats.median, stats.min) == (0.25, 0.0, 0.25, 0.25), (
+        f"one sample of 0.25 s gave {stats}; expected mean=median=min=0.25 and std=0 (handout 01 §1)"
+    )
+
+
+@pytest.mark.points(1)
+def test_annotated_attention_rectangular_causal(impl):
+    """Nq ≠ Nk with causal masking aligns query i with key i (the top-left convention)."""
+    q, k, v = torch.randn(5, 8), torch.randn(9, 8), torch.randn(9, 8)
+    out = impl.benchmarking.annotated_scaled_dot_product_attention(q, k, v, is_causal=True)
+    scores = (q.double() @ k.double().T) / 8 ** 0.5
+    scores = scores.masked_fill(torch.ones(5, 9, dtype=torch.bool).tril().logical_not(), float("-inf"))
+    expected = torch.softmax(scores, -1) @ v.double()
+    assert torch.allclose(out.double(), expected, atol=1e-5), "causal mask with Nq != Nk (handout 01 §3)"

@@ -1,0 +1,115 @@
+"""Small units of the given code: impl selection, teaching assertions, model, nsys summary, results."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from kit import impl as impl_module
+from kit.model import ModelConfig, TransformerLM, get_config, naive_attention
+from kit.nsys import summarize_nsys_csv
+from kit.results import save_results
+from kit.testing import assert_close
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_impl_selection(monkeypatch):
+    monkeypatch.setenv(impl_module.ENV_VAR, "reference")
+    assert impl_module.load().package == "reference"
+    assert impl_module.load("student").package == "student"
+    with pytest.raises(ValueError, match="implementation must be one of"):
+        impl_module.load("solutions")
+
+
+def test_assert_close_names_quantity_worst_element_and_section():
+    expected = torch.zeros(2, 3)
+    actual = expected.clone()
+    actual[1, 2] = 0.5
+    actual[0, 0] = 0.01
+    with pytest.raises(AssertionError) as info:
+        assert_close(actual, expected, name="dQ", section="handout 03 §4", rtol=0, atol=1e-3)
+    msg = str(info.value)
+    for part in ("dQ", "2 of 6", "(1, 2)", "got 0.5", "atol=0.001", "handout 03 §4"):
+        assert part in msg, f"{part!r} missing from: {msg}"
+    with pytest.raises(AssertionError, match="inf/nan"):
+        assert_close(torch.tensor([float("nan")]), torch.tensor([1.0]), name="x", section="s")
+    with pytest.raises(AssertionError, match="shape"):
+        assert_close(torch.zeros(2), torch.zeros(3), name="x", section="s")
+    assert_close(expected + 1e-7, expected, name="x", section="s", rtol=0, atol=1e-6)
+
+
+def test_model_forward_shapes_and_pluggable_attention():
+    model = TransformerLM("tiny")
+    tokens = torch.randint(0, 512, (2, 16))
+    logits = model(tokens)
+    assert logits.shape == (2, 16, 512)
+    calls = []
+
+    def recording_attention(q, k, v, is_causal):
+        calls.append((tuple(q.shape), is_causal))
+        return naive_attention(q, k, v, is_causal)
+
+    model.set_attention(recording_attention)
+    torch.testing.assert_close(model(tokens), logits)
+    assert calls == [((2, 4, 16, 16), True)] * 2
+
+
+def test_model_is_causal():
+    model = TransformerLM("tiny")
+    tokens = torch.randint(0, 512, (1, 12))
+    changed = tokens.clone()
+    changed[0, 8] = (changed[0, 8] + 1) % 512
+    a, b = model(tokens), model(changed)
+    torch.testing.assert_close(a[0, :8], b[0, :8])
+    assert not torch.allclose(a[0, 8:], b[0, 8:])
+
+
+def test_model_config_errors_name_the_field():
+    with pytest.raises(ValueError, match="num_heads"):
+        ModelConfig(d_model=10, num_heads=3)
+    with pytest.raises(ValueError, match="preset must be one of"):
+        get_config("huge")
+    with pytest.raises(ValueError, match="context_length"):
+        TransformerLM("tiny")(torch.zeros(1, 65, dtype=torch.long))
+    assert get_config("xl").d_model == 1600 and get_config("2.7B").num_layers == 32
+
+
+def test_nsys_summary_parses_both_reports(tmp_path):
+    nvtx = tmp_path / "nvtx.csv"
+    nvtx.write_text(
+        "Time (%),Total Time (ns),Instances,Avg (ns),Med (ns),Min (ns),Max (ns),StdDev (ns),Style,Range\n"
+        "60.0,6000000,3,2000000,2000000,1900000,2100000,100,PushPop,:backward\n"
+        "40.0,4000000,3,1333333,1333333,1300000,1400000,50,PushPop,:forward\n"
+    )
+    kern = tmp_path / "kern.csv"
+    kern.write_text(
+        "Time (%),Total Time (ns),Instances,Avg (ns),Med (ns),Min (ns),Max (ns),StdDev (ns),Name\n"
+        "90.0,9000000,30,300000,300000,290000,310000,10,ampere_sgemm_128x64_tn\n"
+        "10.0,1000000,10,100000,100000,90000,110000,5,softmax_kernel\n"
+    )
+    rows = summarize_nsys_csv(nvtx, kern)
+    assert [(r["kind"], r["name"]) for r in rows][:2] == [("nvtx", "backward"), ("nvtx", "forward")]
+    assert rows[0]["total_ms"] == pytest.approx(6.0) and rows[0]["share"] == pytest.approx(0.6)
+    assert rows[2]["name"] == "ampere_sgemm_128x64_tn" and rows[2]["share"] == pytest.approx(0.9)
+    out = subprocess.run([sys.executable, "-m", "kit", "nsys-summary", str(nvtx), str(kern)], cwd=ROOT,
+                         capture_output=True, text=True, check=True).stdout
+    assert "| nvtx | backward | 3 | 6.000 |" in out
+
+
+def test_save_results_stamps_every_file(tmp_path):
+    paths = save_results("demo", [{"a": 1, "b": 2.5}], out_dir=tmp_path)
+    assert json.loads(paths["json"].read_text())["environment"]["torch"] == torch.__version__
+    csv_text = paths["csv"].read_text()
+    assert csv_text.startswith("# device:") and "a,b" in csv_text
+
+
+def test_doctor_reports_versions_and_triton_mode():
+    out = subprocess.run([sys.executable, "-m", "kit", "doctor"], cwd=ROOT, capture_output=True, text=True,
+                         check=True).stdout
+    for part in ("torch", "triton", "Triton mode", "nsys", "Stage 3"):
+        assert part in out

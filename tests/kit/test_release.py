@@ -1,0 +1,96 @@
+"""Student generation and the student release: fresh stubs, no solution text shipped, a working release."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+from kit import release
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_student_package_is_up_to_date():
+    stale = release.stale_student_files()
+    assert not stale, f"student/ is stale in {stale}: run `make student` (never edit student/ by hand)"
+
+
+def test_strip_solutions_keeps_given_code_and_names_the_function():
+    source = '''import torch
+
+def f(x):
+    """Docstring stays."""
+    y = x + 1  # given
+    # BEGIN SOLUTION double it (handout 09 §1)
+    return 2 * y
+    # END SOLUTION
+
+
+class C:
+    def g(self):
+        # BEGIN SOLUTION say "hi"
+        return "hi"
+        # END SOLUTION
+'''
+    out, blocks = release.strip_solutions(source)
+    assert "import torch" in out and '"""Docstring stays."""' in out and "y = x + 1  # given" in out
+    assert "return 2 * y" not in out and 'return "hi"' not in out
+    assert '    raise NotImplementedError("f: double it (handout 09 §1)")' in out
+    assert '        raise NotImplementedError("C.g: say \\"hi\\"")' in out
+    assert [b.function for b in blocks] == ["f", "C.g"]
+    compile(out, "<stub>", "exec")
+
+
+@pytest.mark.parametrize("source, message", [
+    ("def f():\n    # BEGIN SOLUTION x\n    pass\n", "never closed"),
+    ("def f():\n    # END SOLUTION\n", "without a matching"),
+    ("def f():\n    # BEGIN SOLUTION\n    pass\n    # END SOLUTION\n", "needs a hint"),
+    ("# BEGIN SOLUTION x\nx = 1\n# END SOLUTION\n", "inside a function"),
+    ("def f():\n    # BEGIN SOLUTION a\n    # BEGIN SOLUTION b\n    # END SOLUTION\n", "nested"),
+])
+def test_malformed_markers_are_reported_with_their_line(source, message):
+    with pytest.raises(release.MarkerError, match=message):
+        release.strip_solutions(source, "reference/x.py")
+
+
+def test_every_reference_module_has_solution_blocks():
+    blocks = release.solution_blocks()
+    modules = {b.path.parts[1] for b in blocks}
+    assert "benchmarking.py" in modules
+    assert all(b.text.strip() for b in blocks), "empty solution block"
+
+
+@pytest.fixture(scope="module")
+def built_release(tmp_path_factory) -> Path:
+    return release.build_release(tmp_path_factory.mktemp("rel") / "student-release")
+
+
+def test_release_contains_no_solution_text(built_release: Path):
+    assert not (built_release / "reference").exists()
+    assert not (built_release / "tests" / "hidden").exists()
+    assert (built_release / "student" / "benchmarking.py").exists()
+    shipped = {p: p.read_text(errors="ignore") for p in built_release.rglob("*") if p.is_file()}
+    given = "\n".join(
+        release.strip_solutions(p.read_text())[0] for p in (ROOT / "reference").rglob("*.py")
+    )
+    leaks = []
+    for block in release.solution_blocks():
+        # Whole blocks must never appear; nor any distinctive solution line that is not also given code.
+        lines = [ln.strip() for ln in block.text.splitlines() if len(ln.strip()) >= 30 and ln.strip() not in given]
+        for path, text in shipped.items():
+            if block.text.strip() in text:
+                leaks.append(f"{path}: whole block of {block.function}")
+            leaks += [f"{path}: {ln!r} from {block.function}" for ln in lines if ln in text]
+    assert not leaks, "solution text leaked into the release:\n" + "\n".join(leaks[:20])
+
+
+def test_release_test_command_grades_the_stubs_as_zero(built_release: Path):
+    (built_release / ".venv").symlink_to(ROOT / ".venv")
+    env = {k: v for k, v in os.environ.items() if k != "LLMSYS_IMPL"}
+    proc = subprocess.run(["make", "test", "STAGE=1"], cwd=built_release, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, f"`make test` failed in the release:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    assert "| Total |" in proc.stdout and "| 0/" in proc.stdout.split("| Total |")[1], proc.stdout[-3000:]
+    assert "implement time_fn" in proc.stdout, "the score table should say what to implement first"
