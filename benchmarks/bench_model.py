@@ -18,13 +18,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import kit  # noqa: E402,F401 — sets TRITON_INTERPRET before triton loads
 import torch  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+import kit  # noqa: E402,F401 — sets TRITON_INTERPRET before triton loads
 from kit.flops import peak_flops, transformer_flops  # noqa: E402
 from kit.impl import load  # noqa: E402
 from kit.model import TransformerLM, get_config  # noqa: E402
 from kit.results import RESULTS_DIR, save_results  # noqa: E402
-from tqdm import tqdm  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:

@@ -23,7 +23,7 @@ def requirements(gpu: bool) -> list[str]:
     reqs = list(project["dependencies"]) + list(project["optional-dependencies"]["dev"])
     if gpu:
         # The CUDA build of torch brings the triton it was built with; do not replace either.
-        reqs = [r for r in reqs if not r.split(">")[0].split("=")[0].split("<")[0].strip() in ("torch", "triton")]
+        reqs = [r for r in reqs if r.split(">")[0].split("=")[0].split("<")[0].strip() not in ("torch", "triton")]
     return reqs
 
 

@@ -95,7 +95,8 @@ def stage_submission(submission: Path, dest: Path, *, include_hidden: bool = Fal
     what was ignored (anything but ``.py`` files under ``student/``).
     """
     submission = submission.resolve()
-    student = submission if submission.name == "student" and not (submission / "student").is_dir() else submission / "student"
+    is_package = submission.name == "student" and not (submission / "student").is_dir()
+    student = submission if is_package else submission / "student"
     if not student.is_dir():
         raise FileNotFoundError(f"submission {submission} has no student/ folder")
     ignore_tree = shutil.ignore_patterns("__pycache__", "*.pyc", ".pytest_cache")
@@ -278,7 +279,8 @@ def format_table(result: GradeResult) -> str:
     lines = [f"Grading {result.submission}", "", f"| Stage | {'Topic':<28} | Tests  | Points      |",
              f"|-------|{'-' * 30}|--------|-------------|"]
     for stage, (passed, n, pts, max_pts) in result.by_stage().items():
-        lines.append(f"| {stage:<5} | {STAGE_TITLES.get(stage, '?'):<28} | {passed:>2}/{n:<3} | {pts:>5g}/{max_pts:<5g} |")
+        title = STAGE_TITLES.get(stage, "?")
+        lines.append(f"| {stage:<5} | {title:<28} | {passed:>2}/{n:<3} | {pts:>5g}/{max_pts:<5g} |")
     lines.append(f"| Total | {'':<28} | {sum(t.status == 'passed' for t in result.tests):>2}/{len(result.tests):<3} "
                  f"| {result.score:>5g}/{result.max_score:<5g} |")
     if result.message:

@@ -50,7 +50,8 @@ class ModelConfig:
                 f"ModelConfig.d_model ({self.d_model}) must be divisible by num_heads ({self.num_heads})"
             )
         if (self.d_model // self.num_heads) % 2:
-            raise ValueError(f"head dimension d_model/num_heads = {self.d_model // self.num_heads} must be even (RoPE)")
+            d_head = self.d_model // self.num_heads
+            raise ValueError(f"head dimension d_model/num_heads = {d_head} must be even (RoPE)")
 
     @property
     def d_head(self) -> int:
@@ -213,7 +214,9 @@ class TransformerLM(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         if tokens.dtype != torch.long or tokens.dim() != 2:
-            raise ValueError(f"tokens must be an int64 tensor of shape (batch, seq), got {tokens.dtype} {tuple(tokens.shape)}")
+            raise ValueError(
+                f"tokens must be an int64 tensor of shape (batch, seq), got {tokens.dtype} {tuple(tokens.shape)}"
+            )
         if tokens.shape[1] > self.config.context_length:
             raise ValueError(
                 f"tokens has sequence length {tokens.shape[1]} > context_length {self.config.context_length}"

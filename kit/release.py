@@ -126,7 +126,9 @@ def render_student(reference: Path = ROOT / "reference") -> dict[Path, bytes]:
         if path.suffix == ".py":
             source = path.read_text()
             if REFERENCE_IMPORT.search(source):
-                raise MarkerError(f"reference/{rel}: import siblings relatively (from . import x), not from 'reference'")
+                raise MarkerError(
+                    f"reference/{rel}: import siblings relatively (from . import x), not from 'reference'"
+                )
             stripped, _ = strip_solutions(source, Path("reference") / rel)
             files[rel] = (GENERATED_HEADER + stripped).encode()
         else:

@@ -33,7 +33,7 @@ def environment() -> dict[str, str]:
         "torch": torch.__version__,
         "triton": triton_version,
         "python": sys.version.split()[0],
-        "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "command": "python " + " ".join(shlex.quote(a) for a in sys.argv),
     }
 

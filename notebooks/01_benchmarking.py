@@ -22,9 +22,10 @@
 # 3. Where the time goes, from torch.profiler.
 
 # %%
-import kit  # noqa: F401 — sets TRITON_INTERPRET on machines without CUDA
 import matplotlib.pyplot as plt
 import torch
+
+import kit  # noqa: F401 — sets TRITON_INTERPRET on machines without CUDA
 from kit.impl import load
 from kit.model import TransformerLM, get_config
 

@@ -77,7 +77,7 @@ def time_fn(
     Returns:
         :class:`TimingStats` in seconds per call.
     """
-    raise NotImplementedError("time_fn: check the arguments, warm up untimed, then time each call between two sync() calls with clock() (handout 01 §1)")
+    raise NotImplementedError("time_fn: check arguments, warm up, time each call between two sync() calls (handout 01 §1)")
 
 
 def annotated_scaled_dot_product_attention(
@@ -93,7 +93,7 @@ def annotated_scaled_dot_product_attention(
     if q.shape[-1] != k.shape[-1] or k.shape[-2] != v.shape[-2]:
         raise ValueError(f"q (…, Nq, D), k (…, Nk, D), v (…, Nk, Dv) expected; got q {tuple(q.shape)}, "
                          f"k {tuple(k.shape)}, v {tuple(v.shape)}")
-    raise NotImplementedError("annotated_scaled_dot_product_attention: compute scores, softmax and the final matmul, each inside its own nvtx.annotate range (handout 01 §3)")
+    raise NotImplementedError("annotated_scaled_dot_product_attention: scores, softmax, final matmul, each in its own nvtx.annotate range (handout 01 §3)")
 
 
 def benchmark_model(
@@ -130,7 +130,7 @@ def benchmark_model(
     inputs, targets = random_batch(batch_size, context_length, config.vocab_size, device=device, seed=0)
     autocast_dtype = DTYPES[dtype]
 
-    raise NotImplementedError("benchmark_model: run one step of the chosen mode with NVTX ranges forward/backward/optimizer_step, time it with time_fn (handout 01 §2)")
+    raise NotImplementedError("benchmark_model: one step of the mode in NVTX ranges, timed with time_fn (handout 01 §2)")
     return {
         "preset": preset if isinstance(preset, str) else "custom",
         "context_length": context_length,

@@ -8,6 +8,7 @@ import statistics
 
 import pytest
 import torch
+
 from kit.model import TransformerLM, get_config
 from kit.testing import assert_close
 
@@ -68,7 +69,9 @@ def test_time_fn_warmup_calls_are_not_timed(impl):
         f"fn was called {clock.events.count('fn')} times for warmup=2, iters=3; expected 5. See handout 01 §1."
     )
     first_clock = clock.events.index("clock")
-    assert clock.events[:first_clock].count("fn") == 2, "the 2 warm-up calls must run before the clock starts (handout 01 §1)"
+    assert clock.events[:first_clock].count("fn") == 2, (
+        "the 2 warm-up calls must run before the clock starts (handout 01 §1)"
+    )
     assert sorted(stats.samples) == [0.25, 0.5, 0.75], (
         f"samples {stats.samples} include warm-up time or miss timed calls; expected the 3 timed durations "
         "0.5, 0.25, 0.75 s. See handout 01 §1."
@@ -140,7 +143,8 @@ def _attention_float64(q, k, v, is_causal):
 def test_annotated_attention_matches_reference(impl, is_causal):
     q, k, v = (torch.randn(2, 3, 17, 16) for _ in range(3))
     out = impl.benchmarking.annotated_scaled_dot_product_attention(q, k, v, is_causal=is_causal)
-    assert_close(out, _attention_float64(q, k, v, is_causal), name=f"attention output ({'causal' if is_causal else 'full'})",
+    label = "causal" if is_causal else "full"
+    assert_close(out, _attention_float64(q, k, v, is_causal), name=f"attention output ({label})",
                  section="handout 01 §3", rtol=1e-4, atol=1e-5)
 
 

@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+
 from kit import grader
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -54,12 +55,14 @@ def test_batch_grades_correct_stub_crashing_and_hanging_submissions(tmp_path: Pa
     _submission(batch, "correct", ref)
     _submission(batch, "stub", None)
     # Kills the interpreter in the middle of the run: the tests that passed before still count.
-    crash = ref.replace('    # BEGIN SOLUTION warm up, profile one call', '    import os; os._exit(0)\n    # BEGIN SOLUTION warm up, profile one call')
+    marker = "    # BEGIN SOLUTION warm up, profile one call"
+    crash = ref.replace(marker, "    import os; os._exit(0)\n" + marker)
     _submission(batch, "crashing", crash)
     # Raises at import: every test fails, nothing else breaks.
     _submission(batch, "import_error", "raise RuntimeError('broken at import')\n")
     # Never returns from one function: that test times out, the rest still pass.
-    hang = ref.replace("    # BEGIN SOLUTION compute scores, softmax", "    import time; time.sleep(10_000)\n    # BEGIN SOLUTION compute scores, softmax")
+    marker = "    # BEGIN SOLUTION scores, softmax, final matmul"
+    hang = ref.replace(marker, "    import time; time.sleep(10_000)\n" + marker)
     _submission(batch, "hanging", hang)
     (batch / "correct" / "conftest.py").write_text("raise SystemExit('a submission conftest must never run')\n")
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from kit import impl as impl_module
 from kit.model import ModelConfig, TransformerLM, get_config, naive_attention
 from kit.nsys import summarize_nsys_csv

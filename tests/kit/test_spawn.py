@@ -8,6 +8,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+
 from kit.spawn import RankFailedError, RankTimeoutError, run_on_ranks
 
 
