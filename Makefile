@@ -27,8 +27,8 @@ grade: setup ## grade student/ (IMPL=reference|PATH, STAGE=1 or 1,2) and print t
 	$(PY) -m kit grade --impl $(IMPL) $(if $(STAGE),--stage $(STAGE)) --json grading-output/results.json
 
 ifeq ($(HAVE_REFERENCE),)
-# A student release: the tests are the graded suite on your code.
-test: setup lint grade ## lint, then grade student/
+# A student release: the tests are the graded suite on your code (`make lint` checks style separately).
+test: setup grade ## grade student/
 else
 test: setup lint check-student test-reference ## everything CI checks: lint, stubs fresh, full suite on the reference
 	@echo "make test: all checks passed"

@@ -150,7 +150,9 @@ class CausalSelfAttention(nn.Module):
         """x: ``(B, T, d)`` → ``(B, T, d)``. Head count comes from the q projection's width, so a
         tensor-parallel shard with fewer heads runs the same code."""
         b, t, _ = x.shape
-        q, k, v = (proj(x).view(b, t, -1, self.d_head).transpose(1, 2) for proj in (self.q_proj, self.k_proj, self.v_proj))
+        q, k, v = (
+            proj(x).view(b, t, -1, self.d_head).transpose(1, 2) for proj in (self.q_proj, self.k_proj, self.v_proj)
+        )
         positions = torch.arange(t, device=x.device)
         q, k = self.rope(q, positions), self.rope(k, positions)
         o = self.attention_fn(q, k, v, True)
