@@ -161,7 +161,8 @@ def run_suite(
         log = Path(tmp) / "events.jsonl"
         out = Path(tmp) / "output.txt"
         cmd = [
-            sys.executable, "-m", "pytest", "tests", "-q", "-p", "no:cacheprovider", "-p", "kit.grading_plugin",
+            sys.executable, "-m", "pytest", "tests", "-q",
+            "-p", "kit", "-p", "no:cacheprovider", "-p", "kit.grading_plugin",
             f"--grading-log={log}", f"--per-test-timeout={per_test_timeout}", f"--impl={impl}",
             "-m", f"({_marker_expr(stages)})" + ("" if include_hidden else " and not hidden"),
             "--ignore=tests/kit", "-o", "addopts=", "--tb=short",

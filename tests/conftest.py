@@ -15,9 +15,10 @@ import os
 import random
 from pathlib import Path
 
-import kit  # noqa: F401 — sets TRITON_INTERPRET before anything imports triton
 import pytest
 import torch
+
+import kit  # noqa: F401 — sets TRITON_INTERPRET before anything imports triton
 from kit import impl as impl_module
 
 TESTS = Path(__file__).resolve().parent
