@@ -21,14 +21,16 @@ def _stages(text: str | None) -> list[int] | None:
 def cmd_grade(args: argparse.Namespace) -> int:
     from kit import grader
 
-    kwargs = dict(stages=_stages(args.stage), include_hidden=args.hidden, timeout=args.timeout,
-                  per_test_timeout=args.per_test_timeout)
+    limits = grader.Limits(timeout=args.timeout, per_test_timeout=args.per_test_timeout,
+                           memory_gb=args.memory_gb or None)
+    kwargs = dict(stages=_stages(args.stage), include_hidden=args.hidden, limits=limits)
     if args.batch:
         out = Path(args.out or Path(args.batch) / "_grades")
-        results = grader.grade_batch(Path(args.batch), out, **kwargs)
+        only = args.only.split(",") if args.only else None
+        results = grader.grade_batch(Path(args.batch), out, jobs=args.jobs, only=only, **kwargs)
         for r in results:
             print(f"{r.submission:<30} {r.score:>6g} / {r.max_score:<6g} {r.status} {r.message}")
-        print(f"\nwrote {out}/<submission>/results.json and {out / 'gradebook.csv'}")
+        print(f"\nwrote {out}/<submission>/results.json, {out / 'gradebook.csv'} and {out / 'gradebook.png'}")
         return 0
     try:
         result = grader.grade(args.impl, **kwargs)
@@ -93,6 +95,9 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--hidden", action="store_true", help="include the instructor-only hidden tests")
     g.add_argument("--timeout", type=float, default=1800.0, help="wall-clock seconds per submission")
     g.add_argument("--per-test-timeout", type=float, default=300.0, help="seconds per test")
+    g.add_argument("--memory-gb", type=float, default=8.0, help="address-space limit per process (CPU; 0: none)")
+    g.add_argument("--jobs", type=int, default=1, help="with --batch: submissions graded in parallel")
+    g.add_argument("--only", help="with --batch: regrade these submissions (comma-separated); other rows stay")
     g.set_defaults(func=cmd_grade)
 
     r = sub.add_parser("release", help="regenerate student/ and build the student release")

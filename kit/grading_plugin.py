@@ -5,24 +5,69 @@ if the interpreter dies halfway:
 
 * ``{"event": "collected", "tests": [...]}`` — every graded test with its points, stage and visibility;
 * ``{"event": "report", "nodeid", "when", "outcome", "longrepr", "duration"}`` — each phase's result;
+* ``{"event": "flag", "nodeid", "what"}`` — something a submission did that grading does not allow;
 * ``{"event": "finished"}`` — the session ended normally (a run that calls ``os._exit(0)`` never writes it).
 
-A test counts as passed only when its setup, call and teardown all passed; a test with no report
-(the run crashed or was killed) counts as failed. It also enforces a per-test time limit
-(``--per-test-timeout``) by raising inside the test, so one endless loop costs one test, not the run.
+Every event carries a sequence number and an HMAC under a key the grader passes in ``KIT_GRADING_KEY``;
+the plugin removes the key from the environment before any student code is imported, so events forged
+by a submission are detected and ignored.
+
+Defences inside the test process (the grader runs it as a separate process group with time and memory
+limits; see docs in README "Instructor workflow" for what the container must be trusted for):
+
+* an audit hook refuses imports of ``reference`` and opening any path under a ``reference/`` folder or
+  the grading log, and refuses call-stack inspection (``sys._getframe``, ``frame.f_back``, …) from code
+  under ``student/`` — the way a submission would read a test's expected values;
+* after every test, the functions grading depends on (pytest's reporting, ``torch.testing.assert_close``,
+  ``kit.testing``) are compared with the originals; a replaced one fails that test, is flagged and restored;
+* a per-test time limit (``--per-test-timeout``) raises inside the test, so an endless loop costs one test.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import importlib
 import json
 import os
 import signal
+import sys
+import threading
 import time
+from pathlib import Path
 
 import pytest
 
-_log = None
-_timeout = 0.0
+KEY_ENV = "KIT_GRADING_KEY"
+FRAME_ATTRIBUTES = frozenset({"f_back", "f_locals", "f_globals", "tb_frame", "gi_frame", "cr_frame", "ag_frame"})
+# (module, attribute path) of everything a passing verdict depends on.
+GUARDED = (
+    ("torch.testing", "assert_close"), ("torch", "allclose"), ("torch", "equal"), ("torch", "isclose"),
+    ("kit.testing", "assert_close"), ("kit.testing", "assert_equal"), ("pytest", "approx"), ("pytest", "raises"),
+    ("_pytest.runner", "call_and_report"), ("_pytest.runner", "call_runtest_hook"),
+    ("_pytest.runner", "pytest_runtest_makereport"), ("_pytest.reports", "TestReport.from_item_and_call"),
+    ("_pytest.python", "Function.runtest"), ("_pytest.python", "pytest_pyfunc_call"),
+)
+
+
+def signer(key: bytes):
+    """HMAC-SHA256 over the event's canonical JSON; ``None`` key signs nothing (local runs)."""
+    def sign(event: dict) -> str:
+        body = json.dumps(event, sort_keys=True).encode()
+        return hmac.new(key, body, hashlib.sha256).hexdigest() if key else ""
+    return sign
+
+
+class _State:
+    log = None
+    log_path: str | None = None
+    sign = staticmethod(signer(b""))
+    seq = 0
+    timeout = 0.0
+    originals: dict = {}
+    flags: list[str] = []
+    student_root: str = ""
+    in_hook = threading.local()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -32,18 +77,94 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def _write(event: dict) -> None:
-    if _log is not None:
-        _log.write(json.dumps(event) + "\n")
-        _log.flush()
-        os.fsync(_log.fileno())
+    if _State.log is None:
+        return
+    event = {"seq": _State.seq, **event}
+    event["mac"] = _State.sign(event)
+    _State.seq += 1
+    _State.log.write(json.dumps(event) + "\n")
+    _State.log.flush()
+
+
+def _raw(owner, attr: str):
+    # On a class, compare the descriptor itself: a classmethod gives a new bound method at each access.
+    return owner.__dict__.get(attr) if isinstance(owner, type) else getattr(owner, attr, None)
+
+
+def _snapshot() -> None:
+    for module, path in GUARDED:
+        try:
+            owner = importlib.import_module(module)
+            *parents, attr = path.split(".")
+            for part in parents:
+                owner = getattr(owner, part)
+        except (ImportError, AttributeError):
+            continue
+        _State.originals[(module, path)] = (owner, attr, _raw(owner, attr))
+
+
+def _check_and_restore() -> list[str]:
+    replaced = []
+    for (module, path), (owner, attr, original) in _State.originals.items():
+        if _raw(owner, attr) is not original:
+            replaced.append(f"{module}.{path}")
+            setattr(owner, attr, original)
+    return replaced
+
+
+def _caller_is_student(frame) -> bool:
+    root = _State.student_root
+    return bool(root) and frame is not None and frame.f_code.co_filename.startswith(root)
+
+
+def _audit(event: str, args: tuple) -> None:
+    if getattr(_State.in_hook, "active", False):
+        return
+    _State.in_hook.active = True
+    try:
+        if event == "import" and args and isinstance(args[0], str) and args[0].split(".")[0] == "reference":
+            _flag("tried to import the reference solutions")
+            raise ImportError("the reference solutions are not available when grading")
+        if event == "open" and args and isinstance(args[0], (str, bytes, os.PathLike)):
+            path = os.fsdecode(args[0])
+            if "reference" in Path(path).parts:
+                _flag(f"tried to open {path}")
+                raise PermissionError(f"{path}: reference solutions are not readable when grading")
+            if _State.log_path and os.path.abspath(path) == _State.log_path:
+                _flag("tried to open the grading log")
+                raise PermissionError("the grading log is not writable by tests")
+        if event == "sys._getframe" or event == "sys._current_frames" or (
+            event == "object.__getattr__" and len(args) > 1 and args[1] in FRAME_ATTRIBUTES
+        ):
+            caller = sys._getframe(1)  # the frame doing the inspection (this call re-enters the hook: ignored)
+            if _caller_is_student(caller):
+                _flag(f"inspected the call stack ({event} {args[1] if len(args) > 1 else ''})".strip())
+                raise PermissionError("student code may not inspect the call stack while graded")
+    finally:
+        _State.in_hook.active = False
+
+
+_current_nodeid = ""
+
+
+def _flag(what: str) -> None:
+    _State.flags.append(what)
+    _write({"event": "flag", "nodeid": _current_nodeid, "what": what})
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    global _log, _timeout
     path = config.getoption("--grading-log")
+    key = os.environ.pop(KEY_ENV, "")  # gone before any student code can read it
+    _State.sign = staticmethod(signer(key.encode()))
     if path:
-        _log = open(path, "a", encoding="utf-8")  # noqa: SIM115 — stays open for the whole session
-    _timeout = config.getoption("--per-test-timeout") or 0.0
+        _State.log_path = os.path.abspath(path)
+        _State.log = open(path, "a", encoding="utf-8")  # noqa: SIM115 — stays open for the whole session
+    _State.timeout = config.getoption("--per-test-timeout") or 0.0
+    # Grading the reference itself (the kit's own check) needs no defences against it.
+    if path and os.environ.get("LLMSYS_IMPL", "student") == "student":
+        _State.student_root = str(Path(config.rootpath, "student")) + os.sep
+        _snapshot()
+        sys.addaudithook(_audit)  # cannot be removed once added
 
 
 def graded_info(item: pytest.Item) -> dict | None:
@@ -52,12 +173,13 @@ def graded_info(item: pytest.Item) -> dict | None:
     if points is None:
         return None
     stage = next((int(m.name[5:]) for m in item.iter_markers() if m.name[:5] == "stage" and m.name[5:].isdigit()), 0)
+    doc = (getattr(item, "obj", None).__doc__ or "").strip().split("\n")[0] if hasattr(item, "obj") else ""
     return {
         "nodeid": item.nodeid,
         "points": float(points.args[0]),
         "stage": stage,
         "hidden": item.get_closest_marker("hidden") is not None,
-        "doc": (getattr(item, "obj", None).__doc__ or "").strip().split("\n")[0] if hasattr(item, "obj") else "",
+        "doc": doc,
     }
 
 
@@ -67,7 +189,6 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    # Without this event the grader knows the run was cut short, whatever exit code the process gave.
     _write({"event": "finished", "exitstatus": int(exitstatus), "time": time.time()})
 
 
@@ -76,14 +197,14 @@ class TestTimeout(Exception):
 
 
 def _on_alarm(signum, frame):
-    raise TestTimeout(f"test exceeded the per-test time limit of {_timeout:g} s (an endless loop or a hang?)")
+    raise TestTimeout(f"test exceeded the per-test time limit of {_State.timeout:g} s (an endless loop or a hang?)")
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_call(item: pytest.Item):
-    if _timeout > 0 and hasattr(signal, "SIGALRM"):
+    if _State.timeout > 0 and hasattr(signal, "SIGALRM"):
         previous = signal.signal(signal.SIGALRM, _on_alarm)
-        signal.setitimer(signal.ITIMER_REAL, _timeout)
+        signal.setitimer(signal.ITIMER_REAL, _State.timeout)
         try:
             yield
         finally:
@@ -91,6 +212,22 @@ def pytest_runtest_call(item: pytest.Item):
             signal.signal(signal.SIGALRM, previous)
     else:
         yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call):
+    global _current_nodeid
+    _current_nodeid = item.nodeid
+    flags_before = len(_State.flags)
+    outcome = yield
+    report = outcome.get_result()
+    replaced = _check_and_restore() if _State.originals else []
+    for name in replaced:
+        _flag(f"replaced {name}")
+    new_flags = _State.flags[flags_before:]
+    if (replaced or new_flags) and report.when == "call":
+        report.outcome = "failed"
+        report.longrepr = "grading integrity: this test did something grading does not allow: " + "; ".join(new_flags)
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:

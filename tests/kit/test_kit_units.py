@@ -114,3 +114,21 @@ def test_doctor_reports_versions_and_triton_mode():
                          check=True).stdout
     for part in ("torch", "triton", "Triton mode", "nsys", "Stage 3"):
         assert part in out
+
+
+def test_handout_tests_and_points_agree():
+    from kit.handout_check import check
+
+    errors = check()
+    assert not errors, "the handout and the tests disagree:\n" + "\n".join(errors)
+
+
+def test_handout_check_catches_a_wrong_total(tmp_path):
+    from kit.handout_check import parse_handout
+
+    chapter = tmp_path / "09-x.md"
+    chapter.write_text("### Problem 9.1 — Thing (3 points)\nTests: `test_a`, `test_b`\n"
+                       "Hidden tests: `test_c` (1 point)\n\n### Problem 9.2 — Essay (written)\n")
+    problems = parse_handout(chapter)
+    assert [(p.number, p.points, p.tests, p.hidden) for p in problems] == [
+        ("9.1", 3.0, ["test_a", "test_b"], {"test_c": 1.0}), ("9.2", None, [], {})]
