@@ -11,7 +11,7 @@ STAMP := $(VENV)/.setup-stamp$(if $(GPU),-gpu)
 HAVE_REFERENCE := $(wildcard reference/__init__.py)
 export PYTHONDONTWRITEBYTECODE := 1
 
-.PHONY: help setup grade test test-reference test-kit lint student check-student release autograder \
+.PHONY: help setup grade test test-reference test-kit lint student check-student release autograder check-handout \
         notebooks bench doctor clean
 
 help: ## list the targets
@@ -51,6 +51,12 @@ check-student: setup ## fail when student/ is stale
 
 release: setup ## build dist/student-release/ (no reference, no hidden tests)
 	$(PY) -m kit release --build
+
+autograder: setup ## build dist/autograder.zip for Gradescope (kit + public and hidden tests, no reference)
+	$(PY) -m kit autograder
+
+check-handout: setup ## check that the handout, the tests and the points agree
+	$(PY) -m kit check-handout
 
 notebooks: setup ## regenerate notebooks/*.ipynb from their jupytext .py twins
 	$(PY) -m jupytext --to ipynb --update notebooks/[0-9]*.py

@@ -1,4 +1,7 @@
-"""Command line: ``python -m kit {grade,release,doctor,nsys-summary}``. ``--help`` on each for details."""
+"""Command line: ``python -m kit {grade,autograde,autograder,release,check-handout,doctor,nsys-summary}``.
+
+``--help`` on each for details.
+"""
 
 from __future__ import annotations
 
@@ -47,6 +50,30 @@ def cmd_grade(args: argparse.Namespace) -> int:
         Path(args.json).write_text(json.dumps(grader.gradescope_json(result), indent=2))
         print(f"\nwrote {args.json}")
     return 0  # a score of 0 is a result, not an error
+
+
+def cmd_autograde(args: argparse.Namespace) -> int:
+    from kit import grader
+    from kit.autograder import autograde
+
+    limits = grader.Limits(timeout=args.timeout, per_test_timeout=args.per_test_timeout,
+                           memory_gb=args.memory_gb or None)
+    data = autograde(Path(args.submission), Path(args.results), stages=_stages(args.stage), limits=limits)
+    print(f"{data['score']:g} / {data.get('max_score', 0):g} points → {args.results}")
+    return 0
+
+
+def cmd_autograder_bundle(args: argparse.Namespace) -> int:
+    from kit.autograder import build_autograder
+
+    print(f"built {build_autograder(Path(args.out)) if args.out else build_autograder()}")
+    return 0
+
+
+def cmd_check_handout(args: argparse.Namespace) -> int:
+    from kit.handout_check import main
+
+    return main()
 
 
 def cmd_release(args: argparse.Namespace) -> int:
@@ -106,6 +133,22 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--build", action="store_true", help="build dist/student-release/")
     r.add_argument("--out", help="release folder (default dist/student-release)")
     r.set_defaults(func=cmd_release)
+
+    a = sub.add_parser("autograde", help="grade one uploaded submission (what Gradescope's run_autograder calls)")
+    a.add_argument("--submission", required=True, help="the uploaded submission folder")
+    a.add_argument("--results", required=True, help="where results.json goes")
+    a.add_argument("--stage", help="only these stages (for quick local checks)")
+    a.add_argument("--timeout", type=float, default=1800.0)
+    a.add_argument("--per-test-timeout", type=float, default=300.0)
+    a.add_argument("--memory-gb", type=float, default=8.0)
+    a.set_defaults(func=cmd_autograde)
+
+    b = sub.add_parser("autograder", help="build dist/autograder.zip for Gradescope")
+    b.add_argument("--out", help="bundle path (default dist/autograder.zip)")
+    b.set_defaults(func=cmd_autograder_bundle)
+
+    c = sub.add_parser("check-handout", help="check that the handout, the tests and the points agree")
+    c.set_defaults(func=cmd_check_handout)
 
     d = sub.add_parser("doctor", help="what this machine can run: versions, CUDA, Triton mode, nsys")
     d.set_defaults(func=cmd_doctor)

@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 import pytest
+
 from kit import grader
 
 ATTACKS = Path(__file__).resolve().parent / "attacks"

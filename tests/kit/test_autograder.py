@@ -1,0 +1,67 @@
+"""The Gradescope bundle runs end to end: unzip, run_autograder, results.json — full marks and zero."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from kit.autograder import build_autograder
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def bundle(tmp_path_factory) -> Path:
+    zip_path = build_autograder(tmp_path_factory.mktemp("bundle") / "autograder.zip")
+    source = zip_path.parent / "source"
+    with zipfile.ZipFile(zip_path) as z:
+        names = z.namelist()
+        z.extractall(source)
+    assert "setup.sh" in names and "run_autograder" in names
+    assert not any(n.startswith(("reference/", "student/", "tests/kit/")) for n in names), names
+    assert any(n.startswith("tests/hidden/") for n in names), "hidden tests belong in the bundle"
+    for script in ("setup.sh", "run_autograder"):
+        (source / script).chmod(0o755)
+    # setup.sh would build .venv from PyPI; reuse ours (same pins) so the test runs offline and fast.
+    (source / ".venv").symlink_to(ROOT / ".venv")
+    return source
+
+
+def _run(bundle: Path, submission: Path, results: Path) -> dict:
+    env = {**os.environ, "AUTOGRADER_SOURCE": str(bundle), "AUTOGRADER_SUBMISSION": str(submission),
+           "AUTOGRADER_RESULTS": str(results), "AUTOGRADER_ARGS": "--stage 1"}
+    env.pop("LLMSYS_IMPL", None)
+    proc = subprocess.run([str(bundle / "run_autograder")], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(results.read_text())
+
+
+def test_bundle_gives_the_reference_full_marks(bundle, tmp_path):
+    submission = tmp_path / "submission"
+    shutil.copytree(ROOT / "student", submission / "student", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "reference" / "benchmarking.py", submission / "student" / "benchmarking.py")
+    data = _run(bundle, submission, tmp_path / "results" / "results.json")
+    assert data["max_score"] > 0 and data["score"] == data["max_score"], json.dumps(data, indent=1)[:3000]
+    visibility = {t["visibility"] for t in data["tests"]}
+    assert visibility == {"visible", "after_published"}, "public tests visible, hidden ones after publishing"
+    assert data["stdout_visibility"] == "hidden"
+
+
+def test_bundle_gives_the_stubs_zero(bundle, tmp_path):
+    submission = tmp_path / "submission"
+    shutil.copytree(ROOT / "student", submission / "student", ignore=shutil.ignore_patterns("__pycache__"))
+    data = _run(bundle, submission, tmp_path / "results.json")
+    assert data["score"] == 0 and data["max_score"] > 0
+    assert all(t["status"] == "failed" for t in data["tests"])
+
+
+def test_bundle_writes_results_for_an_empty_upload(bundle, tmp_path):
+    (tmp_path / "empty").mkdir()
+    data = _run(bundle, tmp_path / "empty", tmp_path / "results.json")
+    assert data["score"] == 0 and "could not" in data["output"]
