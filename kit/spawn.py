@@ -26,6 +26,7 @@ import ctypes
 import faulthandler
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import signal
 import sys
@@ -144,7 +145,9 @@ def _rank_main(
             timeout=datetime.timedelta(seconds=pg_timeout_s),
         )
         value = fn(*args, **kwargs)
-        results.put((rank, "ok", value))
+        # Plain pickle copies tensors by value. The queue's own pickler would send shared-memory handles,
+        # which vanish when this rank exits before the parent reads them.
+        results.put((rank, "ok", pickle.dumps(value)))
     except BaseException as exc:  # report everything, including KeyboardInterrupt and SystemExit
         tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
         results.put((rank, "error", tb))
@@ -291,4 +294,4 @@ def run_on_ranks(
         finally:
             _stop(procs)
             results.close()
-    return [values[r] for r in range(world_size)]
+    return [pickle.loads(values[r]) for r in range(world_size)]

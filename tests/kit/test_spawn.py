@@ -29,6 +29,10 @@ def _hang_on_rank_zero() -> None:
         time.sleep(1000)
 
 
+def _big_tensor() -> torch.Tensor:
+    return torch.full((1000, 1000), float(dist.get_rank()))
+
+
 def _report_pid() -> int:
     return os.getpid()
 
@@ -45,6 +49,12 @@ def test_results_come_back_by_rank() -> None:
     assert all(r[1] == 3 for r in out)
     assert all(r[2] == 2.0 * (1 + 2 + 3) for r in out)
     assert all(r[3] == 1 for r in out), "each rank must run one thread"
+
+
+def test_tensors_come_back_after_the_ranks_exit() -> None:
+    out = run_on_ranks(_big_tensor, 2, timeout=60)
+    assert [t.shape for t in out] == [(1000, 1000)] * 2
+    assert out[0].sum().item() == 0 and out[1].sum().item() == 1_000_000
 
 
 def test_failing_rank_surfaces_its_traceback_quickly() -> None:

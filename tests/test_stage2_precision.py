@@ -1,0 +1,424 @@
+"""Stage 2 — mixed precision, loss scaling and activation memory (handout/02-mixed-precision.md).
+
+Every check compares against something independent of the code under test: numpy's IEEE fp16/fp32
+arithmetic, torch.autocast run op by op, torch.amp.GradScaler, a plain fp32 training loop, and
+hand-counted bytes.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kit.model import TransformerLM, cross_entropy, get_config
+from kit.testing import assert_close, assert_equal
+
+pytestmark = pytest.mark.stage2
+
+SEC = "handout 02 §{}"
+
+
+def _batch(config, batch_size: int, context_length: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, config.vocab_size, (batch_size, context_length + 1), generator=g)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+# ------------------------------------------------------------------------------------------------------
+# §1 Accumulation
+
+
+def _numpy_sums(value: float, steps: int) -> dict[str, float]:
+    """The four sums with numpy scalars: IEEE rounding after every add, independent of torch."""
+    v32, v16 = np.float32(value), np.float16(value)
+    s32, s16, mixed = np.float32(0), np.float16(0), np.float32(0)
+    for _ in range(steps):
+        s32 = np.float32(s32 + v32)
+        s16 = np.float16(s16 + v16)
+        mixed = np.float32(mixed + np.float32(v16))
+    return {"fp32": float(s32), "fp16": float(s16), "fp16_into_fp32": float(mixed),
+            "fp16_upcast_into_fp32": float(mixed)}
+
+
+@pytest.mark.points(2)
+def test_accumulation_experiment(impl) -> None:
+    """The four sums equal IEEE fp32/fp16 arithmetic exactly, for the default and another value."""
+    for kwargs in ({}, {"value": 0.1, "steps": 300}):
+        got = impl.precision.accumulation_experiment(**kwargs)
+        expected = _numpy_sums(kwargs.get("value", 0.01), kwargs.get("steps", 1000))
+        assert_equal(sorted(got), sorted(expected), name="accumulation_experiment keys", section=SEC.format(1))
+        for key, value in expected.items():
+            assert_close(torch.tensor(got[key], dtype=torch.float64), torch.tensor(value, dtype=torch.float64),
+                         name=f"accumulation_experiment({kwargs})[{key!r}]", section=SEC.format(1), rtol=0, atol=0)
+    got = impl.precision.accumulation_experiment()
+    assert abs(got["fp16"] - 10) > 10 * abs(got["fp32"] - 10), (
+        f"an fp16 sum should lose far more than an fp32 one, got {got}. See {SEC.format(1)}.")
+
+
+# ------------------------------------------------------------------------------------------------------
+# §2 Autocast
+
+
+@pytest.mark.points(3)
+def test_autocast_dtype_report_toy_model(impl) -> None:
+    """The report's dtypes match the ToyModel's layers run one by one under bf16 autocast on the CPU."""
+    model = impl.precision.ToyModel(in_features=20, out_features=5)
+    x = torch.randn(8, 20)
+    targets = torch.randint(0, 5, (8,))
+    report = impl.precision.autocast_dtype_report(model, x, torch.bfloat16, targets=targets)
+
+    # The independent reference: each layer by hand under the same autocast, backward outside it.
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        h1 = model.fc1(x)
+        h2 = model.relu(h1)
+        h3 = model.ln(h2)
+        logits = model.fc2(h3)
+        loss = F.cross_entropy(logits, targets)
+        param_dtype = model.fc1.weight.dtype
+    loss.backward()
+    expected = {"parameters": param_dtype, "fc1": h1.dtype, "relu": h2.dtype, "ln": h3.dtype,
+                "fc2": logits.dtype, "logits": logits.dtype, "loss": loss.dtype,
+                "gradients": model.fc1.weight.grad.dtype}
+    for key, dtype in expected.items():
+        assert key in report, (
+            f"autocast_dtype_report has no {key!r} entry (keys: {sorted(report)}). See {SEC.format(2)}.")
+        assert_equal(report[key], dtype, name=f"dtype of {key} under bf16 autocast", section=SEC.format(2))
+    # The lessons themselves, as torch implements them.
+    assert report["parameters"] == torch.float32 and report["gradients"] == torch.float32
+    assert report["fc1"] == torch.bfloat16 and report["loss"] == torch.float32
+
+    model.zero_grad(set_to_none=True)
+    impl.precision.autocast_dtype_report(model, x, "bf16")
+    assert all(p.grad is None for p in model.parameters()), (
+        f"autocast_dtype_report must leave the model's .grad as it found it. See {SEC.format(2)}.")
+    plain = impl.precision.autocast_dtype_report(model, x, torch.float32)
+    assert_equal(plain["fc1"], torch.float32, name="fc1 output with autocast off (fp32)", section=SEC.format(2))
+
+
+# ------------------------------------------------------------------------------------------------------
+# §4 Loss scaling
+
+INF_STEPS = {4, 5, 13, 31, 50}
+NAN_STEPS = {9, 22, 45}
+
+
+def _inject(model: torch.nn.Module, step: int) -> None:
+    """Overwrite one scaled gradient element with inf or nan at the chosen steps (as an fp16 overflow would)."""
+    if step in INF_STEPS:
+        model.weight.grad[0, 0] = -math.inf if step == 50 else math.inf
+    elif step in NAN_STEPS:
+        model.weight.grad[1, 2] = math.nan
+
+
+@pytest.mark.points(5)
+def test_scaler_matches_grad_scaler(impl) -> None:
+    """60 steps with inf/nan gradients injected: the same scale, skipped steps and parameters as GradScaler."""
+    torch.manual_seed(0)
+    ours_model = torch.nn.Linear(6, 4)
+    ref_model = copy.deepcopy(ours_model)
+    ours_opt = torch.optim.AdamW(ours_model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref_model.parameters(), lr=1e-2)
+    kwargs = {"init_scale": 2.0**10, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 3}
+    ours = impl.precision.DynamicLossScaler(**kwargs)
+    ref = torch.amp.GradScaler("cpu", **kwargs)
+    scales = []
+    for step in range(60):
+        x, y = torch.randn(5, 6), torch.randn(5, 4)
+        for model, opt, scaler in ((ours_model, ours_opt, ours), (ref_model, ref_opt, ref)):
+            opt.zero_grad(set_to_none=True)
+            scaler.scale(F.mse_loss(model(x), y)).backward()
+            _inject(model, step)
+            if step % 7 == 0:  # the unscale_-then-clip path on some steps
+                scaler.unscale_(opt)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            scaler.step(opt)
+            scaler.update()
+        where = f"after step {step}"
+        assert_equal(ours.get_scale(), ref.get_scale(), name=f"scale {where}", section=SEC.format(4))
+        ours_steps = ours_opt.state[ours_model.weight].get("step", torch.tensor(0.0))
+        ref_steps = ref_opt.state[ref_model.weight].get("step", torch.tensor(0.0))
+        assert_equal(float(ours_steps), float(ref_steps), name=f"optimizer steps taken {where} (a skipped step "
+                     "must not reach optimizer.step)", section=SEC.format(4))
+        for (name, p), q in zip(ours_model.named_parameters(), ref_model.parameters()):
+            assert_close(p, q, name=f"parameter {name} {where}", section=SEC.format(4), rtol=1e-6, atol=1e-7)
+        scales.append(ours.get_scale())
+    # The run must have exercised both directions, or it proves nothing.
+    assert max(scales) > kwargs["init_scale"] and min(scales) < kwargs["init_scale"]
+    assert_equal(int(ref_opt.state[ref_model.weight]["step"]), 60 - len(INF_STEPS | NAN_STEPS),
+                 name="steps GradScaler took", section=SEC.format(4))
+
+
+@pytest.mark.points(1)
+def test_scaler_state_dict(impl) -> None:
+    """state_dict uses GradScaler's keys: each loads the other's state and both go on identically."""
+    ours = impl.precision.DynamicLossScaler(init_scale=256.0, growth_interval=2)
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(5):
+        opt.zero_grad()
+        ours.scale(model(torch.randn(2, 3)).sum()).backward()
+        if step == 3:
+            model.weight.grad[0, 0] = math.inf
+        ours.step(opt)
+        ours.update()
+    ref = torch.amp.GradScaler("cpu")
+    ref.load_state_dict(ours.state_dict())
+    theirs = impl.precision.DynamicLossScaler()
+    theirs.load_state_dict(ref.state_dict())
+    for key, value in ref.state_dict().items():
+        assert_equal(ours.state_dict().get(key), value, name=f"state_dict[{key!r}]", section=SEC.format(4))
+    assert_equal(theirs.get_scale(), ref.get_scale(), name="scale loaded from GradScaler.state_dict()",
+                 section=SEC.format(4))
+
+
+@pytest.mark.points(1)
+def test_scaler_rejects_bad_arguments(impl) -> None:
+    """Bad constructor arguments and unscale_ twice raise errors that name the problem (GradScaler raises too)."""
+    Scaler = impl.precision.DynamicLossScaler
+    for kwargs, argument in (({"growth_interval": 0}, "growth_interval"), ({"growth_interval": -5}, "growth_interval"),
+                             ({"backoff_factor": 1.0}, "backoff_factor"), ({"backoff_factor": 1.5}, "backoff_factor"),
+                             ({"growth_factor": 1.0}, "growth_factor"), ({"init_scale": 0.0}, "init_scale")):
+        with pytest.raises(ValueError, match=argument):
+            Scaler(**kwargs)
+    for scaler in (Scaler(), torch.amp.GradScaler("cpu")):
+        model = torch.nn.Linear(2, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        scaler.scale(model(torch.randn(3, 2)).sum()).backward()
+        scaler.unscale_(opt)
+        with pytest.raises(RuntimeError, match="unscale_"):
+            scaler.unscale_(opt)
+
+
+# ------------------------------------------------------------------------------------------------------
+# §5 The training step
+
+
+def _reference_fp32_losses(model, batch, steps: int, max_grad_norm: float | None) -> list[float]:
+    """Plain fp32 training: the baseline mixed precision must track."""
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=True)
+        loss = cross_entropy(model(batch[0]), batch[1])
+        loss.backward()
+        if max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.points(2)
+def test_bf16_train_step_tracks_fp32(impl) -> None:
+    """fp32 mode equals a plain training loop; bf16 losses stay within 0.01 of it; weights stay fp32."""
+    config = get_config("tiny", num_layers=1)
+    base = TransformerLM(config)
+    batch = _batch(config, 2, 32)
+    expected = _reference_fp32_losses(copy.deepcopy(base), batch, steps=4, max_grad_norm=0.5)
+    for dtype, atol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2)):
+        model = copy.deepcopy(base)
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        for step in range(4):
+            loss = impl.precision.mixed_precision_train_step(model, batch, opt, dtype=dtype, max_grad_norm=0.5)
+            assert isinstance(loss, float), f"mixed_precision_train_step must return a float, got {type(loss)}"
+            assert_close(torch.tensor(loss), torch.tensor(expected[step]), name=f"{dtype} loss at step {step}",
+                         section=SEC.format(5), rtol=0, atol=atol)
+        for name, p in model.named_parameters():
+            assert_equal(p.dtype, torch.float32, name=f"dtype of master weight {name} after {dtype} steps",
+                         section=SEC.format(5))
+        moved = (model.lm_head.weight - base.lm_head.weight).abs().max().item()
+        assert moved > 0, f"the {dtype} steps did not change the weights. See {SEC.format(5)}."
+
+
+@pytest.mark.points(2)
+def test_fp16_train_step_with_scaler_matches_grad_scaler(impl) -> None:
+    """fp16 with DynamicLossScaler equals a loop driven by torch.amp.GradScaler; fp16 without a scaler is refused."""
+    config = get_config("tiny", num_layers=1)
+    base = TransformerLM(config)
+    batch = _batch(config, 2, 16)
+    ref_model = copy.deepcopy(base)
+    ref_opt = torch.optim.AdamW(ref_model.parameters(), lr=3e-3)
+    ref_scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12, growth_interval=2)
+    model = copy.deepcopy(base)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    scaler = impl.precision.DynamicLossScaler(init_scale=2.0**12, growth_interval=2)
+    for step in range(3):
+        ref_opt.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.float16):
+            logits = ref_model(batch[0])
+        ref_loss = cross_entropy(logits, batch[1])
+        ref_scaler.scale(ref_loss).backward()
+        ref_scaler.step(ref_opt)
+        ref_scaler.update()
+        loss = impl.precision.mixed_precision_train_step(model, batch, opt, dtype=torch.float16, scaler=scaler)
+        assert_close(torch.tensor(loss), ref_loss.detach(), name=f"fp16 loss at step {step}", section=SEC.format(5),
+                     rtol=1e-6, atol=1e-6)
+        assert_equal(scaler.get_scale(), ref_scaler.get_scale(), name=f"scale after step {step}", section=SEC.format(4))
+    for (name, p), q in zip(model.named_parameters(), ref_model.parameters()):
+        assert_close(p, q, name=f"parameter {name} after 3 fp16 steps", section=SEC.format(5), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="scaler"):
+        impl.precision.mixed_precision_train_step(model, batch, opt, dtype=torch.float16)
+
+
+@pytest.mark.points(1)
+def test_unsupported_dtype_is_rejected(impl) -> None:
+    """fp64, fp8 and ints are not compute dtypes here: ValueError naming `dtype`."""
+    config = get_config("tiny", num_layers=1)
+    model = TransformerLM(config)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    batch = _batch(config, 1, 8)
+    for bad in (torch.float64, torch.int8, "fp8"):
+        with pytest.raises(ValueError, match="dtype"):
+            impl.precision.mixed_precision_train_step(model, batch, opt, dtype=bad)
+        with pytest.raises(ValueError, match="dtype"):
+            impl.precision.autocast_dtype_report(impl.precision.ToyModel(), torch.randn(2, 20), bad)
+        with pytest.raises(ValueError, match="dtype"):
+            impl.precision.activation_memory_estimate(config, 1, 8, bad)
+
+
+# ------------------------------------------------------------------------------------------------------
+# §6 Activation memory
+
+
+@pytest.mark.points(1)
+def test_saved_activation_bytes_small_graph(impl) -> None:
+    """Hand-counted: exp saves its output, mul both inputs, sin its input; a shared storage counts once,
+    leaves that require grad (parameters) do not count, a bf16 copy does."""
+    a = torch.randn(1000, requires_grad=True)
+
+    def fn():
+        y = a.exp()                   # saves y: 4000 bytes
+        z = y * y                     # saves y twice: same storage, nothing new
+        w = z.sin()                   # saves z: 4000 bytes
+        v = a.to(torch.bfloat16).sin()  # saves the bf16 copy: 2000 bytes
+        u = a * a                     # saves the leaf a: not activation memory
+        return w.sum() + v.float().sum() + u.sum()
+
+    got = impl.precision.saved_activation_bytes(fn)
+    assert_equal(got, 4000 + 4000 + 2000, name="saved_activation_bytes of the small graph", section=SEC.format(6))
+
+
+def _measure(impl, model, batch, dtype) -> int:
+    def fn():
+        with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+            logits = model(batch[0])
+        return cross_entropy(logits, batch[1])
+
+    return impl.precision.saved_activation_bytes(fn)
+
+
+@pytest.mark.points(3)
+def test_activation_estimate_matches_measurement(impl) -> None:
+    """Analytic total within 10% of the measured bytes (fp32 and bf16), and the per-layer count within 10%
+    of what adding one layer measures."""
+    B, T = 2, 32
+    for dtype in (torch.float32, torch.bfloat16):
+        measured = {}
+        for layers in (1, 2):
+            config = get_config("tiny", num_layers=layers)
+            measured[layers] = _measure(impl, TransformerLM(config), _batch(config, B, T), dtype)
+            est = impl.precision.activation_memory_estimate(config, B, T, dtype, device_type="cpu")
+            assert_close(torch.tensor(float(est["total"])), torch.tensor(float(measured[layers])),
+                         name=f"estimated total bytes ({layers} layers, {dtype}, B={B}, T={T})",
+                         section=SEC.format(6), rtol=0.10, atol=0)
+        per_layer = measured[2] - measured[1]
+        config = get_config("tiny")
+        est = impl.precision.activation_memory_estimate(config, B, T, dtype, device_type="cpu")
+        assert_equal(sum(est["per_layer"].values()), est["layer_total"], name="sum of per_layer items",
+                     section=SEC.format(6))
+        weight_copies = (4 * config.d_model**2 + 3 * config.d_model * config.d_ff) * 2 if dtype != torch.float32 else 0
+        assert_close(torch.tensor(float(est["layer_total"] + weight_copies)), torch.tensor(float(per_layer)),
+                     name=f"estimated bytes of one layer ({dtype}) vs measured 2-layer minus 1-layer",
+                     section=SEC.format(6), rtol=0.10, atol=0)
+
+
+# ------------------------------------------------------------------------------------------------------
+# §7 Checkpointing
+
+
+def _grads_after_backward(model, batch) -> tuple[float, dict[str, torch.Tensor]]:
+    loss = cross_entropy(model(batch[0]), batch[1])
+    loss.backward()
+    return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _check_policy(impl, policy, k: int) -> None:
+    """Saved bytes drop to (what the blocks saved) replaced by (one input per segment); gradients unchanged."""
+    L, B, T = 4, 2, 32
+    config = get_config("tiny", num_layers=L)
+    base = TransformerLM(config)
+    batch = _batch(config, B, T)
+    full = _measure(impl, base, batch, torch.float32)
+    one_fewer = _measure(impl, TransformerLM(config.with_(num_layers=L - 1)), batch, torch.float32)
+    block_bytes = full - one_fewer
+    segment_input = B * T * config.d_model * 4
+    expected = full - L * block_bytes + math.ceil(L / k) * segment_input
+    model = impl.precision.checkpointed(copy.deepcopy(base), policy)
+    got = _measure(impl, model, batch, torch.float32)
+    assert_close(torch.tensor(float(got)), torch.tensor(float(expected)),
+                 name=f"saved bytes with checkpoint policy {policy!r} (uncheckpointed: {full})",
+                 section=SEC.format(7), rtol=0.10, atol=0)
+    assert full / got >= 0.9 * full / expected, f"checkpointing saved too little: {full} → {got} bytes"
+    loss_ref, grads_ref = _grads_after_backward(copy.deepcopy(base), batch)
+    loss, grads = _grads_after_backward(model, batch)
+    assert_close(torch.tensor(loss), torch.tensor(loss_ref), name=f"loss with policy {policy!r}",
+                 section=SEC.format(7), rtol=1e-6, atol=1e-6)
+    for name, g in grads_ref.items():
+        assert_close(grads[name], g, name=f"gradient of {name} with policy {policy!r}", section=SEC.format(7),
+                     rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.points(3)
+def test_checkpoint_every_block(impl) -> None:
+    """Every block checkpointed: each block keeps only its input; gradients equal the uncheckpointed ones."""
+    _check_policy(impl, "every_block", 1)
+
+
+@pytest.mark.points(1)
+def test_checkpoint_every_k_blocks(impl) -> None:
+    """Segments of k blocks: the segment plan, a bad policy, and the saved bytes and gradients for k = 2."""
+    segments = impl.precision.checkpoint_segments(5, 2)
+    assert_equal([list(s) for s in segments], [[0, 1], [2, 3], [4]], name="checkpoint_segments(5, 2)",
+                 section=SEC.format(7))
+    assert_equal([list(s) for s in impl.precision.checkpoint_segments(3, "every_block")], [[0], [1], [2]],
+                 name="checkpoint_segments(3, 'every_block')", section=SEC.format(7))
+    assert_equal(impl.precision.checkpoint_segments(3, "none"), [], name="checkpoint_segments(3, 'none')",
+                 section=SEC.format(7))
+    for bad in (0, -1, "sqrt"):
+        with pytest.raises(ValueError, match="policy"):
+            impl.precision.checkpoint_segments(4, bad)
+    _check_policy(impl, 2, 2)
+
+
+# ------------------------------------------------------------------------------------------------------
+# §8 On a GPU (checks, not graded)
+
+
+@pytest.mark.gpu
+def test_gpu_peak_memory_and_estimate(impl) -> None:
+    """On CUDA: bf16 forward peaks below fp32; the estimate (device_type='cuda') matches the measurement."""
+    config = get_config("mini")
+    model = TransformerLM(config).cuda()
+    batch = tuple(t.cuda() for t in _batch(config, 4, 128))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    # One step first: Adam's state is allocated then, so both measurements see the same steady state.
+    impl.precision.mixed_precision_train_step(model, batch, opt, dtype=torch.float32)
+    peaks = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        peaks[dtype] = impl.precision.step_peak_memory(model, batch, dtype=dtype, mode="train_step", optimizer=opt)
+
+        def fn(dtype=dtype):
+            with torch.autocast("cuda", dtype=dtype, enabled=dtype != torch.float32):
+                logits = model(batch[0])
+            return cross_entropy(logits, batch[1])
+
+        measured = impl.precision.saved_activation_bytes(fn)
+        est = impl.precision.activation_memory_estimate(config, 4, 128, dtype, device_type="cuda")
+        assert_close(torch.tensor(float(est["total"])), torch.tensor(float(measured)),
+                     name=f"CUDA estimated total bytes ({dtype})", section=SEC.format(6), rtol=0.10, atol=0)
+    assert peaks[torch.bfloat16] < peaks[torch.float32], peaks
