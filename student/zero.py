@@ -1,0 +1,335 @@
+# Your work goes in this file. Generated from the kit's reference by `make student`.
+"""Stage 5 — ZeRO stage 1: shard the optimizer state over the data-parallel ranks (handout/05-zero.md).
+
+Data parallelism keeps a full copy of everything on every rank: parameters, gradients and the optimizer
+state. For Adam the state (two moments per parameter, plus an fp32 master copy under mixed precision)
+is the biggest of the three, and every rank holds an identical copy of it. ZeRO stage 1 removes that
+redundancy: every parameter gets one *owner* rank, only the owner keeps its optimizer state and applies
+its update, and then the owner sends the updated parameter to everybody else.
+
+    optimizer = ShardedOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3, weight_decay=0.1)
+    loss.backward()            # gradients must already agree across ranks (e.g. averaged by Stage 4's DDP)
+    optimizer.step()           # owners update their parameters, then broadcast them
+    optimizer.zero_grad()
+
+This is the teaching form used by ``torch.distributed.optim.ZeroRedundancyOptimizer``: whole parameters,
+assigned sorted-greedily by size, one broadcast per parameter from its owner. DeepSpeed and Megatron
+shard a flat, padded buffer instead (handout 05 §6).
+
+:func:`zero_memory_accounting` does the ZeRO paper's bookkeeping for stages 0–3: bytes per device for
+parameters, gradients and optimizer state, and the bytes each rank communicates per step.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.optim import Optimizer
+
+__all__ = [
+    "ShardedOptimizer",
+    "ZeroMemory",
+    "optimizer_state_bytes",
+    "partition_by_size",
+    "zero_memory_accounting",
+]
+
+# Keys of a param group that are not optimizer options.
+_NOT_OPTIONS = ("params", "param_names")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Who owns which parameter
+# ----------------------------------------------------------------------------------------------------
+
+
+def partition_by_size(
+    numels: Sequence[int], world_size: int, loads: Sequence[int] | None = None
+) -> tuple[list[int], list[int]]:
+    """Assign items to ranks sorted-greedily: largest item first, each to the least-loaded rank.
+
+    This is the "longest processing time first" rule: after it, the loads (elements per rank) differ
+    by at most the largest single item. Ties go to the lowest rank, and equal items keep their input
+    order, so every rank computes the same assignment without talking to the others.
+
+    Args:
+        numels: the size (number of elements) of each item, e.g. ``[p.numel() for p in params]``.
+        world_size: the number of ranks, at least 1.
+        loads: elements each rank already owns (default all zero); pass the loads returned by an
+            earlier call to keep balancing when a new parameter group arrives.
+
+    Returns:
+        ``(owners, loads)``: ``owners[i]`` is the rank of item ``i``; ``loads[r]`` the elements rank ``r``
+        owns afterwards (a new list).
+    """
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    numels = list(numels)
+    for i, n in enumerate(numels):
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise ValueError(f"numels[{i}] must be an int ≥ 0, got {n!r}")
+    loads = [0] * world_size if loads is None else list(loads)
+    if len(loads) != world_size or any(not isinstance(x, int) or x < 0 for x in loads):
+        raise ValueError(f"loads must be {world_size} ints ≥ 0 (one per rank), got {loads!r}")
+    raise NotImplementedError("partition_by_size: largest item first (stable), each to the least-loaded rank (handout 05 §2)")
+
+
+# ----------------------------------------------------------------------------------------------------
+# The sharded optimizer
+# ----------------------------------------------------------------------------------------------------
+
+
+class ShardedOptimizer(Optimizer):
+    """ZeRO-1: wrap any ``torch.optim.Optimizer`` so each rank keeps optimizer state for its own parameters only.
+
+    Args:
+        params: an iterable of tensors, or of param-group dicts (``{"params": [...], "lr": ...}``) with
+            per-group options. Every rank must pass the same parameters in the same order.
+        optimizer_cls: the optimizer class to shard, e.g. ``torch.optim.AdamW`` (the class, not an instance).
+        process_group: the ranks to shard over (``None`` = the default group). Stage 6 passes the
+            data-parallel group of its mesh. Owner ranks are ranks *within* this group.
+        **kwargs: the optimizer's defaults (``lr``, ``betas``, ``weight_decay`` …), as for ``optimizer_cls``.
+
+    After construction:
+
+    * ``param_groups`` lists every parameter (all ranks), with the full set of options;
+    * ``local_optimizer`` is the ``optimizer_cls`` instance over the parameters this rank owns, with one
+      param group per group of ``param_groups`` (possibly empty);
+    * ``state`` is ``local_optimizer.state``: it only ever holds this rank's parameters;
+    * ``owner_of(p)`` is the rank (within ``process_group``) that owns parameter ``p``.
+
+    Every method that talks to other ranks (``step``, ``add_param_group``, ``state_dict``,
+    ``load_state_dict``) must be called on every rank of the group, in the same order.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        optimizer_cls: type[Optimizer],
+        *,
+        process_group: Any = None,
+        **kwargs: Any,
+    ):
+        raise NotImplementedError("ShardedOptimizer.__init__: check inputs, let Optimizer.__init__ add the groups, build the local optimizer (handout 05 §2)")
+
+    # -- helpers (given) ---------------------------------------------------------------------------
+    # They read what __init__ sets up: self.process_group, self.rank and self.world_size (of that group),
+    # self._owner (parameter -> owner rank; tensors hash by identity), self._loads (elements owned per
+    # rank so far) and self.local_optimizer (None until it is built).
+
+    def owner_of(self, param: torch.Tensor) -> int:
+        """The rank (within ``process_group``) that owns ``param``, keeps its state and broadcasts it."""
+        try:
+            return self._owner[param]
+        except KeyError:
+            raise ValueError("owner_of: this tensor is not a parameter of the optimizer") from None
+
+    def _local_group(self, group: dict[str, Any]) -> dict[str, Any]:
+        """The part of ``group`` this rank owns: the same options, only the owned parameters."""
+        local = {k: v for k, v in group.items() if k not in _NOT_OPTIONS}
+        owned = [i for i, p in enumerate(group["params"]) if self._owner[p] == self.rank]
+        local["params"] = [group["params"][i] for i in owned]
+        if "param_names" in group:
+            local["param_names"] = [group["param_names"][i] for i in owned]
+        return local
+
+    @staticmethod
+    def _copy_options(src_groups: list[dict[str, Any]], dst_groups: list[dict[str, Any]]) -> None:
+        """Copy every option (lr, betas, …) group by group; leave the parameter lists alone."""
+        for src, dst in zip(src_groups, dst_groups, strict=True):
+            for key, value in src.items():
+                if key not in _NOT_OPTIONS:
+                    dst[key] = value
+
+    def _global_indices(self) -> dict[torch.Tensor, int]:
+        """Each parameter's index in an unsharded optimizer's ``state_dict`` (groups concatenated)."""
+        params = [p for g in self.param_groups for p in g["params"]]
+        return {p: i for i, p in enumerate(params)}
+
+    # -- the optimizer interface ------------------------------------------------------------------
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group on every rank: its parameters get owners, this rank's share joins the local optimizer.
+
+        Parameters of the earlier groups keep their owners (and their state); the new ones are balanced
+        on top of the current loads. Raises ``ValueError`` if a parameter is already in the optimizer or
+        appears twice in the group.
+        """
+        if not isinstance(param_group, dict):
+            raise TypeError(f"param_group must be a dict with a 'params' entry, got {type(param_group).__name__}")
+        if "params" not in param_group:
+            raise ValueError("param_group must have a 'params' entry (a tensor or a list of tensors)")
+        raise NotImplementedError("ShardedOptimizer.add_param_group: reject repeats, register the group, assign owners, extend the local optimizer (handout 05 §2)")
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """Update the parameters this rank owns, then broadcast every parameter from its owner.
+
+        Gradients must already be the same on every rank (averaged by DDP, or computed on the same
+        batch). Options changed in ``param_groups`` (an LR scheduler) reach the local optimizer first.
+        Returns the closure's loss, if a closure was given.
+        """
+        raise NotImplementedError("ShardedOptimizer.step: sync options, step the local optimizer, broadcast each parameter from its owner (handout 05 §3)")
+
+    def state_dict(self) -> dict[str, Any] | None:  # type: ignore[override]
+        """The whole optimizer's state, consolidated on rank 0 of the group (``None`` on the other ranks).
+
+        The format is exactly an unsharded ``optimizer_cls``'s ``state_dict()``: ``"state"`` maps each
+        parameter's global index (groups concatenated, in order) to its state, with tensors on the CPU;
+        ``"param_groups"`` lists the options and the indices of each group. So a checkpoint does not
+        depend on the world size, and loads into another world size, or into the plain optimizer.
+        Collective: call it on every rank.
+        """
+        raise NotImplementedError("ShardedOptimizer.state_dict: renumber local states globally, gather on rank 0, build the unsharded format (handout 05 §4)")
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state dict from :meth:`state_dict` (any world size) or from the unsharded optimizer.
+
+        Every rank passes the same full dict; each keeps the state of the parameters it owns, and the
+        options (lr, betas, …) of every group are restored.
+        """
+        if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
+            raise TypeError("state_dict must be a dict with 'state' and 'param_groups' (from state_dict())")
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(
+                f"state_dict has {len(saved_groups)} param groups but this optimizer has {len(self.param_groups)}"
+            )
+        for i, (saved, group) in enumerate(zip(saved_groups, self.param_groups)):
+            if len(saved["params"]) != len(group["params"]):
+                raise ValueError(
+                    f"state_dict param group {i} has {len(saved['params'])} parameters, this optimizer's "
+                    f"has {len(group['params'])}"
+                )
+        raise NotImplementedError("ShardedOptimizer.load_state_dict: keep owned states, renumber them, load the local optimizer, restore options (handout 05 §4)")
+
+
+def _tensors_in(group: dict[str, Any]) -> list[torch.Tensor]:
+    """The tensors of a param group: ``params`` may be a tensor, a list of tensors or of (name, tensor)."""
+    if not isinstance(group, dict) or "params" not in group:
+        raise TypeError(f"each param group must be a dict with a 'params' entry, got {type(group).__name__}")
+    params = group["params"]
+    if isinstance(params, torch.Tensor):
+        return [params]
+    if isinstance(params, set):
+        raise TypeError("params must be an ordered collection (list or tuple), not a set: every rank must "
+                        "see the parameters in the same order")
+    tensors = [p[1] if isinstance(p, tuple) else p for p in params]
+    for t in tensors:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"params must hold tensors, got a {type(t).__name__}")
+    return tensors
+
+
+def _reject_repeats(tensors: list[torch.Tensor], already: Iterable[torch.Tensor] = ()) -> None:
+    """Raise ``ValueError`` if a tensor appears twice in ``tensors`` or is one of ``already``."""
+    seen = {id(t) for t in already}
+    for t in tensors:
+        if id(t) in seen:
+            raise ValueError(
+                f"params: a parameter of shape {tuple(t.shape)} appears twice; each parameter may be in the "
+                "optimizer once (it has one owner and one optimizer state)"
+            )
+        seen.add(id(t))
+
+
+def _to_cpu(value: Any) -> Any:
+    """``value`` with every tensor inside (dicts, lists, tuples) copied to the CPU."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_cpu(v) for v in value)
+    return value
+
+
+def optimizer_state_bytes(optimizer: Optimizer) -> int:
+    """Bytes of every tensor in ``optimizer.state`` on this rank (the thing ZeRO-1 shards).
+
+    Works for any optimizer: for a :class:`ShardedOptimizer` that is this rank's shard; for
+    ``ZeroRedundancyOptimizer`` pass its ``.optim`` (the local optimizer).
+    """
+    if not isinstance(optimizer, Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    total = 0
+    for state in optimizer.state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor):
+                total += value.numel() * value.element_size()
+    return total
+
+
+# ----------------------------------------------------------------------------------------------------
+# Memory accounting (the ZeRO paper, arXiv 1910.02054, §3 and §7)
+# ----------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ZeroMemory:
+    """Per-device bytes at one ZeRO stage and world size, and the bytes each rank sends per step."""
+
+    stage: int
+    world_size: int
+    num_params: int
+    param_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int
+    comm_bytes_per_step: int
+
+    @property
+    def total_bytes(self) -> int:
+        """Parameters + gradients + optimizer state on one device (activations and buffers not included)."""
+        return self.param_bytes + self.grad_bytes + self.optimizer_bytes
+
+    def as_dict(self) -> dict[str, int]:
+        return {**asdict(self), "total_bytes": self.total_bytes}
+
+
+def zero_memory_accounting(
+    num_params: int,
+    world_size: int,
+    stage: int,
+    *,
+    param_bytes: int,
+    grad_bytes: int,
+    optimizer_bytes_per_param: int,
+) -> ZeroMemory:
+    """Model-state memory per device and communication per step for ZeRO stage 0 (plain DP) to 3.
+
+    With Ψ = ``num_params``, N = ``world_size`` and a shard of S = ⌈Ψ/N⌉ elements (a flat buffer padded to
+    a multiple of N, as DeepSpeed does), each device holds:
+
+    ======  ==============  ==============  ======================
+    stage   parameters      gradients       optimizer state
+    ======  ==============  ==============  ======================
+    0       Ψ·param_bytes   Ψ·grad_bytes    Ψ·optimizer_bytes
+    1       Ψ·param_bytes   Ψ·grad_bytes    S·optimizer_bytes
+    2       Ψ·param_bytes   S·grad_bytes    S·optimizer_bytes
+    3       S·param_bytes   S·grad_bytes    S·optimizer_bytes
+    ======  ==============  ==============  ======================
+
+    Mixed-precision Adam is ``param_bytes=2, grad_bytes=2, optimizer_bytes_per_param=12`` (fp32 master
+    weights, momentum and variance): 16Ψ at stage 0, 4Ψ + 12Ψ/N at stage 1, 2Ψ + 14Ψ/N at stage 2, 16Ψ/N
+    at stage 3.
+
+    Communication (bytes each rank sends per step, ring algorithms, which send N−1 chunks of S elements
+    per reduce-scatter or all-gather): stage 0 all-reduces the gradients (a reduce-scatter plus an
+    all-gather), 2(N−1)·S·grad_bytes; stages 1 and 2 reduce-scatter the gradients and all-gather the
+    updated parameters, (N−1)·S·(grad_bytes + param_bytes); stage 3 also all-gathers the parameters
+    again for the backward pass, (N−1)·S·(grad_bytes + 2·param_bytes). For large N and equal dtypes
+    these are the paper's 2Ψ, 2Ψ and 3Ψ.
+    """
+    for name, value, low in (("num_params", num_params, 1), ("world_size", world_size, 1),
+                             ("param_bytes", param_bytes, 0), ("grad_bytes", grad_bytes, 0),
+                             ("optimizer_bytes_per_param", optimizer_bytes_per_param, 0)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            raise ValueError(f"{name} must be an int ≥ {low}, got {value!r}")
+    if not isinstance(stage, int) or isinstance(stage, bool) or stage not in (0, 1, 2, 3):
+        raise ValueError(f"stage must be 0, 1, 2 or 3 (ZeRO stage; 0 is plain data parallelism), got {stage!r}")
+    raise NotImplementedError("zero_memory_accounting: full or sharded (⌈Ψ/N⌉) params, grads, optimizer state by stage; ring comm volume (handout 05 §5)")
