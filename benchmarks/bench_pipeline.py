@@ -1,0 +1,119 @@
+"""Pipeline schedules measured: bubble fraction vs (p−1)/(m+p−1), and peak activation memory per stage.
+
+    python benchmarks/bench_pipeline.py            # p ∈ {2, 4}, m ∈ {1, 2, 4, 8}, GPipe and 1F1B
+    python benchmarks/bench_pipeline.py --smoke    # p = 2, m ∈ {2, 4}: a few seconds
+
+One spawn per pipeline depth p; inside it every (schedule, m) runs a warm-up step and timed steps. The
+measured bubble is 1 − (time stage 0 spent computing) / (step time). On a CPU with fewer cores than
+stages the stages also compete for cores, so expect the measurement to sit above the formula.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pickle
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from tqdm import tqdm  # noqa: E402
+
+import kit  # noqa: E402,F401 — sets TRITON_INTERPRET first
+from kit.results import RESULTS_DIR, save_results  # noqa: E402
+from kit.spawn import run_on_ranks  # noqa: E402
+
+
+def _rank(p: int, ms: list[int], d_model: int, seq: int, mbs: int, iters: int) -> bytes:
+    import torch
+    import torch.distributed as dist
+
+    import kit.impl
+    from kit.model import ModelConfig, TransformerLM
+
+    pp = kit.impl.load().parallel.pipeline_parallel
+    cfg = ModelConfig(vocab_size=256, context_length=seq, d_model=d_model, d_ff=4 * d_model, num_layers=2 * p,
+                      num_heads=4)
+    torch.manual_seed(0)
+    stage = pp.PipelineStage(TransformerLM(cfg), dist.get_rank(), p)
+    rows = []
+    for kind in ("gpipe", "1f1b"):
+        run = pp.gpipe if kind == "gpipe" else pp.one_f_one_b
+        for m in ms:
+            tokens = torch.randint(0, 256, (m, mbs, seq + 1), generator=torch.Generator().manual_seed(m))
+            batches = [(tokens[i, :, :-1], tokens[i, :, 1:]) for i in range(m)]
+            results = []
+            for it in range(iters + 1):  # the first is a warm-up
+                dist.barrier()
+                res = run(stage, batches, group=None, activation_shape=(mbs, seq, d_model))
+                stage.zero_grad(set_to_none=True)
+                if it:
+                    results.append(res)
+            busy = sum(r.busy_s for r in results) / iters
+            total = sum(r.total_s for r in results) / iters
+            rows.append({"schedule": kind, "m": m, "stage": dist.get_rank(), "busy_s": busy, "total_s": total,
+                         "peak_act_MiB": results[-1].peak_activation_bytes / 2**20,
+                         "in_flight": results[-1].peak_in_flight})
+    return pickle.dumps(rows)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes, a few seconds")
+    ap.add_argument("--out", type=Path, default=RESULTS_DIR)
+    args = ap.parse_args()
+    import kit.impl
+
+    pp = kit.impl.load().parallel.pipeline_parallel
+    if args.smoke:
+        depths, ms, d_model, seq, mbs, iters = [2], [2, 4], 32, 16, 2, 1
+    else:
+        depths, ms, d_model, seq, mbs, iters = [2, 4], [1, 2, 4, 8], 128, 64, 4, 3
+    rows = []
+    for p in tqdm(depths, desc="pipeline depth"):
+        per_rank = [pickle.loads(r) for r in run_on_ranks(_rank, p, args=(p, ms, d_model, seq, mbs, iters),
+                                                          timeout=600, backend="gloo")]
+        for kind in ("gpipe", "1f1b"):
+            for m in ms:
+                stages = [next(r for r in rank_rows if r["schedule"] == kind and r["m"] == m) for rank_rows in per_rank]
+                total = max(s["total_s"] for s in stages)
+                rows.append({
+                    "p": p, "m": m, "schedule": kind, "step_ms": 1e3 * total,
+                    "bubble_measured": 1 - stages[0]["busy_s"] / total,
+                    "bubble_formula": pp.bubble_fraction(p, m),
+                    "in_flight_stage0": stages[0]["in_flight"],
+                    "peak_act_MiB_stage0": stages[0]["peak_act_MiB"],
+                    "peak_act_MiB_last": stages[-1]["peak_act_MiB"],
+                })
+    paths = save_results("bench_pipeline", rows, out_dir=args.out,
+                         title="Pipeline bubble (stage 0) and peak activation memory per stage")
+    _plot(rows, paths["csv"].with_suffix(".png"))
+
+
+def _plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    for p in sorted({r["p"] for r in rows}):
+        for kind, style in (("gpipe", "o-"), ("1f1b", "s--")):
+            sel = [r for r in rows if r["p"] == p and r["schedule"] == kind]
+            ms = [r["m"] for r in sel]
+            ax1.plot(ms, [r["bubble_measured"] for r in sel], style, label=f"{kind} p={p} measured")
+            ax2.plot(ms, [r["peak_act_MiB_stage0"] for r in sel], style, label=f"{kind} p={p}")
+        sel = [r for r in rows if r["p"] == p and r["schedule"] == "gpipe"]
+        ax1.plot([r["m"] for r in sel], [r["bubble_formula"] for r in sel], "k:", label=f"(p−1)/(m+p−1), p={p}")
+    ax1.set(xlabel="micro-batches m", ylabel="bubble fraction (stage 0)", xscale="log", title="Bubble")
+    ax2.set(xlabel="micro-batches m", ylabel="peak saved activations, stage 0 (MiB)", xscale="log",
+            title="Activation memory")
+    ax1.legend(fontsize=7)
+    ax2.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"plot: {path}")
+
+
+if __name__ == "__main__":
+    main()

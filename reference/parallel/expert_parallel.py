@@ -1,0 +1,218 @@
+"""Expert parallelism: a mixture-of-experts feed-forward whose experts live on different ranks (handout 06 §4).
+
+A router scores every token against ``E`` experts and sends it to its ``top_k`` best. Each expert
+accepts at most ``capacity = ceil(capacity_factor · N · top_k / E)`` of the ``N`` tokens of a batch;
+assignments beyond that are **dropped** (the token skips that expert; its residual connection carries
+it on). Assignments are served in priority order: every token's first choice before any second
+choice, and within a choice in token order.
+
+With expert parallelism the ``E`` experts are split over the ``ep`` ranks (``E / ep`` each). Every
+rank routes its own tokens, packs them into a fixed-size buffer ``(E, capacity, d)``, and one
+``all_to_all_single`` delivers each expert's slice to the rank that owns it; a second all-to-all brings
+the results back (**dispatch** and **combine**). Because the buffer is fixed-size, both all-to-alls
+have equal splits and the layer's output — dropped tokens included — equals the same layer run on one
+process over the same tokens.
+
+The load-balancing auxiliary loss (Switch Transformer): ``aux = E · Σ_e f_e · P_e`` with ``f_e`` the
+fraction of the ``N · top_k`` assignments routed to expert ``e`` (before dropping) and ``P_e`` the mean
+router probability of ``e``; it is ``1`` for perfectly uniform routing and grows as routing collapses.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+
+def expert_capacity(num_tokens: int, num_experts: int, top_k: int, capacity_factor: float | None) -> int:
+    """Slots per expert: ``ceil(capacity_factor · num_tokens · top_k / num_experts)``, at least 1.
+
+    ``capacity_factor=None`` means no dropping: ``num_tokens`` slots (a token picks an expert at most once).
+    """
+    for name, value in (("num_tokens", num_tokens), ("num_experts", num_experts), ("top_k", top_k)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if capacity_factor is None:
+        return num_tokens
+    if capacity_factor <= 0:
+        raise ValueError(f"capacity_factor must be > 0 or None, got {capacity_factor!r}")
+    return max(1, math.ceil(capacity_factor * num_tokens * top_k / num_experts))
+
+
+class _AllToAll(torch.autograd.Function):
+    """Equal-split all-to-all along dim 0; its own inverse, so the backward is the same exchange."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+        # BEGIN SOLUTION exchange equal chunks of dim 0 with all_to_all_single (handout 06 §4.2)
+        ctx.group = group
+        out = torch.empty_like(x)
+        dist.all_to_all_single(out, x.contiguous(), group=group)
+        return out
+        # END SOLUTION
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        # BEGIN SOLUTION send each gradient chunk back where its activation came from (handout 06 §4.2)
+        out = torch.empty_like(grad)
+        dist.all_to_all_single(out, grad.contiguous(), group=ctx.group)
+        return out, None
+        # END SOLUTION
+
+
+def all_to_all(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Chunk ``i`` of dim 0 goes to rank ``i`` of ``group``; chunk ``j`` of the result came from rank ``j``.
+
+    ``x.shape[0]`` must be divisible by the group size. Differentiable.
+    """
+    size = dist.get_world_size(group)
+    if x.shape[0] % size:
+        raise ValueError(f"all_to_all: dim 0 of size {x.shape[0]} is not divisible by the group size {size}")
+    return _AllToAll.apply(x, group)
+
+
+class _AuxLossGrad(torch.autograd.Function):
+    """Returns ``x`` unchanged; in the backward also sends ``scale`` as the gradient of ``aux``.
+
+    This injects ``scale · ∂aux/∂θ`` into the backward pass without the auxiliary loss having to travel
+    to the pipeline's last stage (Megatron's ``MoEAuxLossAutoScaler``).
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        ctx.aux_meta = (aux.shape, aux.dtype)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        shape, dtype = ctx.aux_meta
+        return grad, torch.full(shape, ctx.scale, dtype=dtype, device=grad.device), None
+
+
+class MoEFeedForward(nn.Module):
+    """Top-k mixture of SwiGLU experts with a capacity limit; drop-in for a kit ``Block.ffn``.
+
+    Parameters: ``router`` (``nn.Linear(d_model, num_experts)``), and the experts' stacked weights
+    ``w1``, ``w3`` of shape ``(E_local, d_model, d_ff)`` and ``w2`` of shape ``(E_local, d_ff, d_model)``
+    with ``E_local = num_experts`` until :func:`parallelize_moe` keeps this rank's ``num_experts / ep``.
+
+    ``forward(x (..., d_model))`` returns the same shape and dtype. After each forward:
+    ``self.aux_loss`` (0-dim fp32 tensor, differentiable) and ``self.dropped_tokens`` (int: token-choice
+    assignments over capacity, on this rank). ``aux_grad_scale`` > 0 adds ``aux_grad_scale · ∂aux`` to
+    the backward without returning the loss (used by pipeline training; 0 by default).
+    """
+
+    def __init__(self, d_model: int, d_ff: int, num_experts: int, *, top_k: int = 2,
+                 capacity_factor: float | None = 1.25):
+        super().__init__()
+        for name, value in (("d_model", d_model), ("d_ff", d_ff), ("num_experts", num_experts), ("top_k", top_k)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if top_k > num_experts:
+            raise ValueError(f"top_k ({top_k}) must be ≤ num_experts ({num_experts})")
+        if capacity_factor is not None and capacity_factor <= 0:
+            raise ValueError(f"capacity_factor must be > 0 or None, got {capacity_factor!r}")
+        self.d_model, self.d_ff = d_model, d_ff
+        self.num_experts, self.top_k, self.capacity_factor = num_experts, top_k, capacity_factor
+        self.router = nn.Linear(d_model, num_experts, bias=False)
+        std_in, std_out = math.sqrt(2.0 / (d_model + d_ff)), math.sqrt(2.0 / (d_ff + d_model))
+        self.w1 = nn.Parameter(torch.empty(num_experts, d_model, d_ff))
+        self.w3 = nn.Parameter(torch.empty(num_experts, d_model, d_ff))
+        self.w2 = nn.Parameter(torch.empty(num_experts, d_ff, d_model))
+        for w, std in ((self.w1, std_in), (self.w3, std_in), (self.w2, std_out)):
+            nn.init.trunc_normal_(w, std=std, a=-3 * std, b=3 * std)
+        std_r = math.sqrt(2.0 / (d_model + num_experts))
+        nn.init.trunc_normal_(self.router.weight, std=std_r, a=-3 * std_r, b=3 * std_r)
+        self.ep_group: dist.ProcessGroup | None = None
+        self.ep_size = 1
+        self.aux_grad_scale = 0.0
+        self.aux_loss: torch.Tensor | None = None
+        self.dropped_tokens = 0
+
+    def expert_parameters(self) -> list[nn.Parameter]:
+        """The weights that differ across ep ranks (their gradients are averaged over dp only)."""
+        return [self.w1, self.w2, self.w3]
+
+    def _experts(self, h: torch.Tensor) -> torch.Tensor:
+        """SwiGLU of each local expert on its tokens: ``h (E_local, n, d)`` → ``(E_local, n, d)``."""
+        return torch.bmm(F.silu(torch.bmm(h, self.w1)) * torch.bmm(h, self.w3), self.w2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.d_model:
+            raise ValueError(f"MoEFeedForward expects (..., {self.d_model}) inputs, got {tuple(x.shape)}")
+        shape = x.shape
+        x = x.reshape(-1, self.d_model)
+        n, e, k = x.shape[0], self.num_experts, self.top_k
+        capacity = expert_capacity(n, e, k, self.capacity_factor)
+        # BEGIN SOLUTION route, dispatch (E, C, d), experts (all-to-all if ep>1), combine, aux (handout 06 §4)
+        # Routing in fp32: small logit differences decide which expert a token gets.
+        probs = torch.softmax(self.router(x).float(), dim=-1)  # (N, E)
+        top_p, top_e = probs.topk(k, dim=-1)  # (N, k)
+        gates = top_p / top_p.sum(dim=-1, keepdim=True)
+
+        # Assignments in priority order: all first choices (token order), then all second choices, ...
+        flat_e = top_e.t().reshape(-1)  # (k·N,)
+        flat_gate = gates.t().reshape(-1)
+        token = torch.arange(n, device=x.device).repeat(k)
+        onehot = F.one_hot(flat_e, e)  # (k·N, E)
+        position = (onehot.cumsum(0) - 1).gather(1, flat_e[:, None]).squeeze(1)  # slot within its expert
+        keep = position < capacity
+        slot = (flat_e * capacity + position)[keep]
+        self.dropped_tokens = int((~keep).sum())
+
+        # Dispatch: a fixed-size buffer, zeros where an expert has free slots.
+        buffer = x.new_zeros(e * capacity, self.d_model).index_copy(0, slot, x[token[keep]])
+        buffer = buffer.view(e, capacity, self.d_model)
+        if self.ep_size > 1:
+            # (E, C, d) = (ep, E_local, C, d): chunk r goes to the rank that owns experts of chunk r.
+            received = all_to_all(buffer, self.ep_group).view(self.ep_size, -1, capacity, self.d_model)
+            e_local = received.shape[1]
+            h = received.transpose(0, 1).reshape(e_local, self.ep_size * capacity, self.d_model)
+            out = self._experts(h).view(e_local, self.ep_size, capacity, self.d_model).transpose(0, 1)
+            out = all_to_all(out.reshape(e, capacity, self.d_model), self.ep_group)
+        else:
+            out = self._experts(buffer)
+
+        # Combine: each kept assignment adds gate · expert output to its token.
+        weighted = out.reshape(e * capacity, self.d_model)[slot] * flat_gate[keep, None].to(x.dtype)
+        y = x.new_zeros(n, self.d_model).index_add(0, token[keep], weighted)
+
+        # Load balancing (Switch Transformer): E · Σ_e (fraction of assignments to e) · (mean prob of e).
+        fraction = onehot.float().mean(dim=0)
+        self.aux_loss = e * (fraction * probs.mean(dim=0)).sum()
+        # END SOLUTION
+        if self.aux_grad_scale and torch.is_grad_enabled():
+            y = _AuxLossGrad.apply(y, self.aux_loss, self.aux_grad_scale)
+        return y.view(shape)
+
+
+def parallelize_moe(moe: MoEFeedForward, ep_group: dist.ProcessGroup | None) -> MoEFeedForward:
+    """Keep only this rank's experts — ``[r·E/ep, (r+1)·E/ep)`` for ep rank ``r`` — in place; returns ``moe``.
+
+    The router stays whole (every rank routes its own tokens to all ``E`` experts). ``ep_group`` may be a
+    ``ProcessGroup`` or a 1-D ``DeviceMesh``.
+
+    Raises:
+        ValueError: ``num_experts`` is not divisible by the ep size.
+    """
+    if not isinstance(moe, MoEFeedForward):
+        raise TypeError(f"moe must be a MoEFeedForward, got {type(moe).__name__}")
+    group = ep_group.get_group() if hasattr(ep_group, "get_group") else ep_group
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"ep_group must be a ProcessGroup, a 1-D DeviceMesh or None, got {type(ep_group).__name__}")
+    # BEGIN SOLUTION ValueError unless E divides by ep; keep this rank's slice of w1, w2, w3 (handout 06 §4.2)
+    ep, rank = dist.get_world_size(group), dist.get_rank(group)
+    if moe.num_experts % ep:
+        raise ValueError(f"parallelize_moe: {moe.num_experts} experts are not divisible by the ep size {ep}")
+    local = moe.num_experts // ep
+    for name in ("w1", "w2", "w3"):
+        full = getattr(moe, name)
+        setattr(moe, name, nn.Parameter(full.detach()[rank * local:(rank + 1) * local].clone()))
+    moe.ep_group, moe.ep_size = group, ep
+    return moe
+    # END SOLUTION

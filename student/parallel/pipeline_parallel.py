@@ -1,0 +1,285 @@
+# Your work goes in this file. Generated from the kit's reference by `make student`.
+"""Pipeline parallelism: layers split into stages on different ranks, micro-batches flowing through (handout 06 §3).
+
+Stage ``s`` of ``p`` holds a contiguous run of layers (the first also the embedding, the last also the
+final norm, LM head and loss). A batch is cut into ``m`` micro-batches. A **schedule** is, for each
+stage, an order of operations ``("F", i)`` (forward of micro-batch ``i``) and ``("B", i)`` (its
+backward). Running it is the same for every schedule:
+
+* ``F i``: receive the activation from stage ``s-1`` (or embed the tokens), run the layers, send the
+  output to stage ``s+1`` (or compute the loss). Keep what the backward needs.
+* ``B i``: receive ∂L/∂output from stage ``s+1`` (or start from the loss), backpropagate, send
+  ∂L/∂input to stage ``s-1``. Free that micro-batch's activations.
+
+Sends are non-blocking and receives block, so a stage waits exactly when the data it needs has not been
+produced yet — the **bubble**. **GPipe** runs all forwards, then all backwards: every stage holds ``m``
+micro-batches of activations. **1F1B** runs ``p − s − 1`` warm-up forwards, then alternates one
+forward and one backward: stage ``s`` never holds more than ``p − s`` micro-batches. Both idle for the
+same fraction of the step, ``(p − 1) / (m + p − 1)``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from kit.model import TransformerLM, cross_entropy
+
+Op = tuple[str, int]  # ("F", i) or ("B", i)
+SCHEDULES = ("gpipe", "1f1b")
+
+
+def bubble_fraction(p: int, m: int) -> float:
+    """Idle fraction of a GPipe or 1F1B step with ``p`` stages and ``m`` micro-batches: ``(p−1)/(m+p−1)``."""
+    for name, value in (("p", p), ("m", m)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an int ≥ 1, got {value!r}")
+    raise NotImplementedError("bubble_fraction: p−1 idle slots out of m+p−1 (handout 06 §3.2)")
+
+
+def split_layers(num_layers: int, pp: int) -> list[tuple[int, int]]:
+    """Contiguous ``[start, end)`` layer ranges for ``pp`` stages; the first ``num_layers % pp`` get one more."""
+    if not isinstance(num_layers, int) or not isinstance(pp, int) or pp < 1 or num_layers < pp:
+        raise ValueError(f"need ints with 1 ≤ pp ≤ num_layers, got num_layers={num_layers!r}, pp={pp!r}")
+    raise NotImplementedError("split_layers: balance the layers, earlier stages take the remainder (handout 06 §3.1)")
+
+
+class PipelineStage(nn.Module):
+    """Stage ``stage`` of ``num_stages`` cut out of an unchanged :class:`~kit.model.TransformerLM`.
+
+    Keeps the model's own submodules and parameter names (``layers.3.attn.q_proj.weight``), so a stage's
+    ``named_parameters()`` are a subset of the full model's. ``forward``: first stage takes tokens
+    ``(B, T)`` int64, others activations ``(B, T, d_model)``; the last returns logits ``(B, T, vocab)``,
+    others activations.
+    """
+
+    def __init__(self, model: TransformerLM, stage: int, num_stages: int):
+        super().__init__()
+        if not isinstance(model, TransformerLM):
+            raise TypeError(f"model must be a kit.model.TransformerLM, got {type(model).__name__}")
+        if not isinstance(stage, int) or not 0 <= stage < num_stages:
+            raise ValueError(f"stage must be an int in [0, num_stages={num_stages}), got {stage!r}")
+        self.stage, self.num_stages = stage, num_stages
+        self.is_first, self.is_last = stage == 0, stage == num_stages - 1
+        self.layer_range = split_layers(len(model.layers), num_stages)[stage]
+        self.d_model = model.config.d_model
+        start, end = self.layer_range
+        self.layers = nn.ModuleDict({str(i): model.layers[i] for i in range(start, end)})
+        self.token_embeddings = model.token_embeddings if self.is_first else None
+        self.final_norm = model.final_norm if self.is_last else None
+        self.lm_head = model.lm_head if self.is_last else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError("PipelineStage.forward: embed on the first stage, run the layers, final norm and LM head on the last (handout 06 §3.1)")
+
+
+def gpipe_order(p: int, s: int, m: int) -> list[Op]:
+    """GPipe on stage ``s`` of ``p``: ``F 0 … F m−1`` then ``B 0 … B m−1``."""
+    _check_psm(p, s, m)
+    raise NotImplementedError("gpipe_order: all forwards, then all backwards (handout 06 §3.2)")
+
+
+def one_f_one_b_order(p: int, s: int, m: int) -> list[Op]:
+    """1F1B on stage ``s`` of ``p``: ``w = min(p−s−1, m)`` warm-up forwards, then alternate F and B, then drain.
+
+    Backwards run in micro-batch order; stage ``s`` holds at most ``min(p − s, m)`` micro-batches.
+    """
+    _check_psm(p, s, m)
+    raise NotImplementedError("one_f_one_b_order: warm-up forwards, steady one-forward-one-backward pairs, cool-down backwards (handout 06 §3.3)")
+
+
+def _check_psm(p: int, s: int, m: int) -> None:
+    for name, value in (("p", p), ("m", m)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an int ≥ 1, got {value!r}")
+    if not isinstance(s, int) or not 0 <= s < p:
+        raise ValueError(f"s must be a stage index in [0, {p}), got {s!r}")
+
+
+ORDERS: dict[str, Callable[[int, int, int], list[Op]]] = {"gpipe": gpipe_order, "1f1b": one_f_one_b_order}
+
+
+class ActivationMeter:
+    """Bytes of tensors autograd has saved for the backward and not yet freed (parameters excluded).
+
+    Use as ``with meter:`` around forwards: ``saved_tensors_hooks`` sees each tensor saved for the
+    backward; a tensor's bytes count once per storage while any graph still holds it. ``peak`` is the
+    high-water mark — the activation memory a schedule needs.
+    """
+
+    def __init__(self, params: Sequence[torch.Tensor] = ()):
+        self._param_storages = {p.untyped_storage().data_ptr() for p in params}
+        self._refs: dict[int, int] = {}
+        self.current = 0
+        self.peak = 0
+
+    def _pack(self, t: torch.Tensor) -> object:
+        key = t.untyped_storage().data_ptr()
+        if key in self._param_storages or t.device.type == "meta":
+            return t
+        return _Saved(t, key, t.untyped_storage().nbytes(), self)
+
+    @staticmethod
+    def _unpack(packed: object) -> torch.Tensor:
+        return packed.tensor if isinstance(packed, _Saved) else packed
+
+    def __enter__(self) -> ActivationMeter:
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)
+
+
+class _Saved:
+    """One saved tensor; counted while alive (autograd drops it when the graph is freed)."""
+
+    __slots__ = ("tensor", "key", "meter", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor, key: int, nbytes: int, meter: ActivationMeter):
+        self.tensor, self.key, self.meter = tensor, key, meter
+        refs = meter._refs.get(key, 0)
+        if refs == 0:
+            meter.current += nbytes
+            meter.peak = max(meter.peak, meter.current)
+            meter._sizes = getattr(meter, "_sizes", {})
+            meter._sizes[key] = nbytes
+        meter._refs[key] = refs + 1
+
+    def __del__(self) -> None:
+        meter = self.meter
+        refs = meter._refs[self.key] - 1
+        if refs == 0:
+            del meter._refs[self.key]
+            meter.current -= meter._sizes.pop(self.key)
+        else:
+            meter._refs[self.key] = refs
+
+
+@dataclass
+class PipelineResult:
+    """What one pipelined step reports, on every rank of the pipeline.
+
+    ``loss``: mean over micro-batches of ``loss_fn`` (computed on the last stage, broadcast to all).
+    ``peak_activation_bytes``: this stage's :class:`ActivationMeter` peak. ``peak_in_flight``: most
+    micro-batches forwarded but not yet backwarded at once. ``busy_s``/``total_s``: seconds computing
+    vs the whole step (``1 − busy/total`` is the measured bubble). ``events``: ``(op, i, t0, t1)``.
+    """
+
+    loss: float
+    peak_activation_bytes: int
+    peak_in_flight: int
+    busy_s: float
+    total_s: float
+    events: list[tuple[str, int, float, float]] = field(default_factory=list)
+
+
+def run_schedule(
+    stage: nn.Module,
+    microbatches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    order: Sequence[Op],
+    *,
+    group: dist.ProcessGroup | None,
+    activation_shape: Sequence[int],
+    dtype: torch.dtype = torch.float32,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy,
+) -> PipelineResult:
+    """Run this stage's ``order`` of F/B operations; gradients accumulate into ``stage``'s parameters.
+
+    Args:
+        stage: this rank's stage (``stage.is_first``/``stage.is_last`` say what it receives and sends).
+        microbatches: ``m`` pairs ``(inputs (b, T) int64, targets (b, T) int64)``, the same on every stage
+            (the first stage reads inputs, the last reads targets).
+        order: this stage's operations, e.g. ``one_f_one_b_order(p, s, m)``.
+        group: the pipeline process group; stage ``s`` is group rank ``s``.
+        activation_shape: the shape of the activation between stages, ``(b, T, d_model)``.
+        loss_fn: ``loss_fn(logits, targets)``; each micro-batch's loss is scaled by ``1/m`` before its
+            backward, so the gradients are those of the mean loss.
+
+    Point-to-point: activations go to group rank ``s+1``, gradients to ``s−1``, with ``dist.isend`` (waited
+    at the end of the step) and blocking ``dist.recv``. Returns a :class:`PipelineResult`.
+    """
+    m = len(microbatches)
+    if m < 1:
+        raise ValueError("microbatches must hold at least one (inputs, targets) pair")
+    if sorted(order) != sorted([("F", i) for i in range(m)] + [("B", i) for i in range(m)]):
+        raise ValueError(f"order must contain F i and B i exactly once for each of the {m} micro-batches")
+    if group is None:
+        group = dist.group.WORLD
+    p, s = dist.get_world_size(group), dist.get_rank(group)
+    prev_rank = dist.get_global_rank(group, s - 1) if s > 0 else None
+    next_rank = dist.get_global_rank(group, s + 1) if s < p - 1 else None
+    params = list(stage.parameters())
+    device = params[0].device if params else torch.device("cpu")
+    meter = ActivationMeter(params)
+    start = time.perf_counter()
+    busy = 0.0
+    events: list[tuple[str, int, float, float]] = []
+    sends: list[tuple[dist.Work, torch.Tensor]] = []
+    total_loss = torch.zeros((), dtype=torch.float32, device=device)
+    raise NotImplementedError("run_schedule: run each F/B op: recv, compute, isend; keep activations until the B (handout 06 §3.2)")
+    return PipelineResult(
+        loss=float(total_loss.cpu()) / m,
+        peak_activation_bytes=meter.peak,
+        peak_in_flight=peak_in_flight,
+        busy_s=busy,
+        total_s=time.perf_counter() - start,
+        events=events,
+    )
+
+
+def gpipe(stage: nn.Module, microbatches: Sequence[tuple[torch.Tensor, torch.Tensor]], **kwargs) -> PipelineResult:
+    """One GPipe step (all forwards, then all backwards); ``kwargs`` as :func:`run_schedule`."""
+    group = kwargs.get("group")
+    return run_schedule(stage, microbatches, gpipe_order(dist.get_world_size(group), dist.get_rank(group),
+                                                         len(microbatches)), **kwargs)
+
+
+def one_f_one_b(stage: nn.Module, microbatches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+                **kwargs) -> PipelineResult:
+    """One 1F1B step; ``kwargs`` as :func:`run_schedule`."""
+    group = kwargs.get("group")
+    return run_schedule(stage, microbatches, one_f_one_b_order(dist.get_world_size(group), dist.get_rank(group),
+                                                               len(microbatches)), **kwargs)
+
+
+def simulate_schedule(kind: str, p: int, m: int, t_forward: float = 1.0, t_backward: float = 2.0
+                      ) -> list[list[tuple[str, int, float, float]]]:
+    """Timeline of a schedule on ideal hardware: per stage a list of ``(op, i, start, end)``.
+
+    Each stage runs its ops in order; ``F i`` on stage ``s`` waits for ``F i`` on ``s−1``, ``B i`` waits for
+    ``B i`` on ``s+1`` (on the last stage, for its own ``F i``). Communication is free. Given helper for
+    the notebook and the benchmark; uses :func:`gpipe_order` / :func:`one_f_one_b_order`.
+    """
+    if kind not in ORDERS:
+        raise ValueError(f"kind must be one of {SCHEDULES}, got {kind!r}")
+    orders = [ORDERS[kind](p, s, m) for s in range(p)]
+    done: dict[tuple[str, int, int], float] = {}
+    timeline: list[list[tuple[str, int, float, float]]] = [[] for _ in range(p)]
+    cursor, free = [0] * p, [0.0] * p
+    while any(cursor[s] < len(orders[s]) for s in range(p)):
+        progressed = False
+        for s in range(p):
+            if cursor[s] == len(orders[s]):
+                continue
+            op, i = orders[s][cursor[s]]
+            dep = ("F", s - 1, i) if op == "F" and s > 0 else ("B", s + 1, i) if op == "B" and s < p - 1 else None
+            if op == "B" and s == p - 1:
+                dep = ("F", s, i)
+            if dep is not None and dep not in done:
+                continue
+            t0 = max(free[s], done.get(dep, 0.0))
+            t1 = t0 + (t_forward if op == "F" else t_backward)
+            done[(op, s, i)] = free[s] = t1
+            timeline[s].append((op, i, t0, t1))
+            cursor[s] += 1
+            progressed = True
+        if not progressed:
+            raise RuntimeError(f"schedule {kind!r} deadlocks for p={p}, m={m}")
+    return timeline

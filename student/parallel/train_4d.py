@@ -1,0 +1,274 @@
+# Your work goes in this file. Generated from the kit's reference by `make student`.
+"""Train a tiny mixture-of-experts Transformer on a dp × tp × pp × ep mesh (handout 06 §5).
+
+Every rank runs :func:`train` with the same :class:`Train4DConfig`. What each rank does:
+
+1. builds the whole model from the seed (the same on every rank), keeps its pipeline stage, splits its
+   blocks across ``tp`` and keeps its experts (``ep``) — parallelism applied to an unchanged model;
+2. wraps the stage's *dense* parameters in Stage 4's :class:`DDPBucketed` over the dp × ep group and the
+   *expert* parameters in another over the dp group;
+3. each step, reads its shard of the global batch, runs the pipeline schedule over ``grad_accum_steps``
+   micro-batches, and only then synchronises the data-parallel gradients (never per micro-batch: the
+   gradients are not complete until the last micro-batch's backward has run on every stage).
+
+**Batch.** Every rank with the same (dp, ep) coordinates reads the same data: the global batch of step
+``s`` is ``kit.data.random_batch(global_batch_size, seq_len, vocab, seed=seed + s)``; data shard
+``k = dp_index · ep + ep_index`` takes rows ``[k·MBS·GA, (k+1)·MBS·GA)``, and micro-batch ``i`` of it
+rows ``[i·MBS, (i+1)·MBS)`` of that. Expert-parallel ranks read different data — for the dense weights
+they are data-parallel replicas — so ``global_batch_size = MBS × GA × dp × ep``.
+
+**Loss.** Per micro-batch ``cross_entropy + aux_loss_coef · Σ_layers aux`` (the MoE balancing losses,
+each computed over that micro-batch's tokens), averaged over micro-batches and data shards. The
+reported loss is the cross-entropy alone, averaged the same way.
+
+Run it: ``python -m reference.parallel.train_4d --dp 2 --tp 2 --pp 2 --ep 1`` spawns 8 CPU ranks with
+the kit's helper; under ``torchrun --nproc-per-node 8 -m reference.parallel.train_4d --dp 2 …`` it joins
+the launcher's process group (one or several nodes; see ``train_4d.slurm``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field, replace
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from kit.data import random_batch
+from kit.model import ModelConfig, TransformerLM, make_optimizer
+
+from ..ddp import DDPBucketed
+from .expert_parallel import MoEFeedForward, parallelize_moe
+from .mesh import build_mesh, dense_grad_group
+from .pipeline_parallel import PipelineStage, gpipe, one_f_one_b
+from .tensor_parallel import parallelize_block
+
+#: The tiny model the tests, notebook and benchmarks train: 4 blocks, each with a 4-expert MoE.
+TINY_MOE = ModelConfig(vocab_size=128, context_length=16, d_model=32, d_ff=64, num_layers=4, num_heads=4)
+
+
+@dataclass(frozen=True)
+class Train4DConfig:
+    """One 4D training run. ``global_batch_size`` must equal ``micro_batch_size · grad_accum_steps · dp · ep``."""
+
+    dp: int = 2
+    tp: int = 2
+    pp: int = 2
+    ep: int = 1
+    global_batch_size: int = 8
+    micro_batch_size: int = 2
+    grad_accum_steps: int = 2
+    steps: int = 3
+    seq_len: int = 16
+    model: ModelConfig = TINY_MOE
+    num_experts: int = 4
+    top_k: int = 2
+    capacity_factor: float | None = 1.25
+    aux_loss_coef: float = 0.01
+    lr: float = 3e-3
+    weight_decay: float = 0.1
+    seed: int = 0
+    schedule: str = "1f1b"
+    bucket_size_mb: float | None = 25.0
+    zero: bool = False
+    device_type: str = "cpu"
+
+    def __post_init__(self) -> None:
+        for name in ("dp", "tp", "pp", "ep", "global_batch_size", "micro_batch_size", "grad_accum_steps", "steps",
+                     "seq_len", "num_experts", "top_k"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"Train4DConfig.{name} must be an int ≥ 1, got {value!r}")
+        if not isinstance(self.model, ModelConfig):
+            raise TypeError(f"Train4DConfig.model must be a kit.model.ModelConfig, got {type(self.model).__name__}")
+        expected = self.micro_batch_size * self.grad_accum_steps * self.dp * self.ep
+        if self.global_batch_size != expected:
+            raise ValueError(
+                f"global_batch_size ({self.global_batch_size}) must equal micro_batch_size × grad_accum_steps × "
+                f"dp × ep = {self.micro_batch_size} × {self.grad_accum_steps} × {self.dp} × {self.ep} = {expected} "
+                "(expert-parallel ranks read their own data, like data-parallel ones)"
+            )
+        if self.schedule not in ("gpipe", "1f1b"):
+            raise ValueError(f"Train4DConfig.schedule must be 'gpipe' or '1f1b', got {self.schedule!r}")
+        if self.seq_len > self.model.context_length:
+            raise ValueError(
+                f"seq_len ({self.seq_len}) exceeds the model's context_length ({self.model.context_length})")
+        if self.model.num_layers < self.pp:
+            raise ValueError(f"pp ({self.pp}) must be ≤ num_layers ({self.model.num_layers})")
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp * self.ep
+
+    def with_(self, **changes) -> Train4DConfig:
+        return replace(self, **changes)
+
+
+def build_model(cfg: Train4DConfig) -> TransformerLM:
+    """The full, unsharded model every rank starts from: the kit's Transformer with each ``ffn`` replaced by
+    a :class:`MoEFeedForward`. Seeded by ``cfg.seed``: the same weights on every rank and in a single process."""
+    torch.manual_seed(cfg.seed)
+    model = TransformerLM(cfg.model)
+    for block in model.layers:
+        block.ffn = MoEFeedForward(cfg.model.d_model, cfg.model.d_ff, cfg.num_experts, top_k=cfg.top_k,
+                                   capacity_factor=cfg.capacity_factor)
+    return model
+
+
+def global_batch(cfg: Train4DConfig, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(inputs, targets)`` of step ``step``, both ``(global_batch_size, seq_len)`` int64."""
+    return random_batch(cfg.global_batch_size, cfg.seq_len, cfg.model.vocab_size, seed=cfg.seed + step)
+
+
+def microbatches(cfg: Train4DConfig, step: int, shard: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The ``grad_accum_steps`` micro-batches of data shard ``shard`` (``0 ≤ shard < dp·ep``) at ``step``."""
+    if not 0 <= shard < cfg.dp * cfg.ep:
+        raise ValueError(f"shard must be in [0, dp·ep = {cfg.dp * cfg.ep}), got {shard!r}")
+    raise NotImplementedError("microbatches: MBS·GA consecutive rows for this shard, cut into GA micro-batches (handout 06 §5.2)")
+
+
+def _device(cfg: Train4DConfig) -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if cfg.device_type == "cuda" else torch.device("cpu")
+
+
+class _Params(nn.Module):
+    """Holds a subset of a stage's parameters (the same tensors) so a DDP wrapper can own just those."""
+
+    def __init__(self, params: list[nn.Parameter]):
+        super().__init__()
+        self.params = nn.ParameterList(params)
+
+    def forward(self) -> None:  # the pipeline runs the real forward; DDP only needs to be told (see _sync)
+        return None
+
+
+@dataclass
+class Parallelized:
+    """This rank's share of the model: its pipeline stage and the DDP wrappers of its gradients."""
+
+    stage: PipelineStage
+    dense_ddp: DDPBucketed
+    expert_ddp: DDPBucketed | None
+    coords: dict[str, int] = field(default_factory=dict)
+
+
+def parallelize(model: TransformerLM, mesh, cfg: Train4DConfig) -> Parallelized:
+    """Apply pp, then tp, then ep, then dp to an unchanged model, torchtitan style; returns this rank's part."""
+    coords = dict(zip(mesh.mesh_dim_names, mesh.get_coordinate()))
+    raise NotImplementedError("parallelize: stage (pp), blocks (tp), MoEs (ep), then DDPBucketed for dense and expert params (handout 06 §5.1)")
+
+
+def train_step(part: Parallelized, optimizer: torch.optim.Optimizer, cfg: Train4DConfig, step: int, mesh) -> float:
+    """One optimizer step on this rank; returns the step's loss (mean cross-entropy over the global batch)."""
+    coords = part.coords
+    shard = coords["dp"] * cfg.ep + coords["ep"]
+    device = _device(cfg)
+    batches = [(x.to(device), y.to(device)) for x, y in microbatches(cfg, step, shard)]
+    ddps = [d for d in (part.dense_ddp, part.expert_ddp) if d is not None]
+    schedule = one_f_one_b if cfg.schedule == "1f1b" else gpipe
+    raise NotImplementedError("train_step: whole schedule without DP sync, then sync once, rescale expert grads, step (handout 06 §5.2)")
+
+
+def make_train_optimizer(part: Parallelized, cfg: Train4DConfig, mesh) -> torch.optim.Optimizer:
+    """AdamW over the stage (the kit's defaults), or Stage 5's ZeRO-1 :class:`ShardedOptimizer` with ``cfg.zero``."""
+    if not cfg.zero:
+        return make_optimizer(part.stage, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    from ..zero import ShardedOptimizer
+
+    # Dense parameters are replicated over dp × ep, so their optimizer state is sharded over that group.
+    # (Expert parameters would shard over dp; one wrapper per group keeps the example short: experts stay
+    # in a plain AdamW.)
+    dense = list(part.dense_ddp.parameters())
+    experts = list(part.expert_ddp.parameters()) if part.expert_ddp is not None else []
+    optimizers = [ShardedOptimizer(dense, torch.optim.AdamW, process_group=dense_grad_group(mesh), lr=cfg.lr,
+                                   betas=(0.9, 0.95), weight_decay=cfg.weight_decay)]
+    if experts:
+        optimizers.append(torch.optim.AdamW(experts, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay))
+    return _Optimizers(optimizers)
+
+
+class _Optimizers:
+    """Several optimizers stepped as one."""
+
+    def __init__(self, optimizers: list[torch.optim.Optimizer]):
+        self.optimizers = optimizers
+
+    def step(self) -> None:
+        for opt in self.optimizers:
+            opt.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=set_to_none)
+
+
+def train(cfg: Train4DConfig, mesh=None, *, step_callback=None) -> dict:
+    """Train ``cfg.steps`` steps on this rank; call on every rank of a ``cfg.world_size`` process group.
+
+    Returns ``{"losses": [...] (same on every rank), "params": {name: local tensor}, "coords": {axis: index},
+    "step_s": [...]}``. ``step_callback(step)`` returns a context manager entered around each step (the
+    tests count the bytes each collective moves with it).
+    """
+    if not isinstance(cfg, Train4DConfig):
+        raise TypeError(f"cfg must be a Train4DConfig, got {type(cfg).__name__}")
+    mesh = mesh or build_mesh(dp=cfg.dp, tp=cfg.tp, pp=cfg.pp, ep=cfg.ep, device_type=cfg.device_type)
+    part = parallelize(build_model(cfg).to(_device(cfg)), mesh, cfg)
+    optimizer = make_train_optimizer(part, cfg, mesh)
+    losses, times = [], []
+    for step in range(cfg.steps):
+        context = step_callback(step) if step_callback else contextlib.nullcontext()
+        t0 = time.perf_counter()
+        with context:
+            losses.append(train_step(part, optimizer, cfg, step, mesh))
+        times.append(time.perf_counter() - t0)
+    params = {n: p.detach().cpu().clone() for n, p in part.stage.named_parameters()}
+    return {"losses": losses, "params": params, "coords": part.coords, "step_s": times}
+
+
+def _spawned(cfg_dict: dict) -> dict:
+    cfg = Train4DConfig(**{**cfg_dict, "model": ModelConfig(**cfg_dict["model"])})
+    out = train(cfg)
+    return {"losses": out["losses"], "coords": out["coords"], "step_s": out["step_s"]}
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Command line: under torchrun, join its process group; otherwise spawn the ranks on this CPU."""
+    ap = argparse.ArgumentParser(description="Train a tiny MoE Transformer on a dp × tp × pp × ep mesh.")
+    for axis, default in (("dp", 2), ("tp", 2), ("pp", 2), ("ep", 1)):
+        ap.add_argument(f"--{axis}", type=int, default=default)
+    ap.add_argument("--micro-batch-size", type=int, default=2)
+    ap.add_argument("--grad-accum-steps", type=int, default=2)
+    ap.add_argument("--global-batch-size", type=int, default=None, help="default: MBS × GA × dp × ep")
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--schedule", choices=("gpipe", "1f1b"), default="1f1b")
+    ap.add_argument("--zero", action="store_true", help="ZeRO-1 (Stage 5) for the dense parameters")
+    args = ap.parse_args(argv)
+    gbs = args.global_batch_size or args.micro_batch_size * args.grad_accum_steps * args.dp * args.ep
+    cfg = Train4DConfig(dp=args.dp, tp=args.tp, pp=args.pp, ep=args.ep, global_batch_size=gbs,
+                        micro_batch_size=args.micro_batch_size, grad_accum_steps=args.grad_accum_steps,
+                        steps=args.steps, schedule=args.schedule, zero=args.zero)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # launched by torchrun
+        from kit.spawn import init_distributed
+
+        init_distributed()
+        device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        out = train(cfg.with_(device_type=device))
+        if dist.get_rank() == 0:
+            print(json.dumps({"losses": out["losses"], "step_s": out["step_s"]}))
+        dist.destroy_process_group()
+        return
+    from kit.spawn import run_on_ranks
+
+    cfg_dict = {**asdict(cfg), "model": asdict(cfg.model)}
+    results = run_on_ranks(_spawned, cfg.world_size, args=(cfg_dict,), timeout=300, backend="gloo")
+    for step, loss in enumerate(results[0]["losses"]):
+        print(f"step {step}: loss {loss:.4f}  ({results[0]['step_s'][step] * 1e3:.0f} ms)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,286 @@
+"""Stage 6 — the 4D mesh, composed training on 8 ranks, and communication counted during a real step.
+
+One 8-rank spawn builds the two documented meshes, trains the tiny MoE Transformer on
+dp2 × tp2 × pp2 and on tp2 × pp2 × ep2, and counts — with a dispatch mode that sees every c10d
+collective, whoever calls it — the bytes each collective receives during one step. Each test reads its
+own part of the results. The single-process reference (same seed, same init, same global batch, same
+routing groups) runs here, in the test process.
+"""
+
+from __future__ import annotations
+
+import pickle
+import traceback
+
+import pytest
+import torch
+
+from kit.model import cross_entropy, make_optimizer
+from kit.spawn import run_on_ranks
+from kit.testing import assert_close, assert_equal
+
+pytestmark = pytest.mark.stage6
+
+LAYOUTS = {"2x2x2x1": dict(dp=2, tp=2, pp=2, ep=1), "1x2x2x2": dict(dp=1, tp=2, pp=2, ep=2)}
+COMMON = dict(global_batch_size=8, micro_batch_size=2, grad_accum_steps=2, steps=3, seq_len=8, capacity_factor=1.0)
+TRAIN = {"dp2_tp2_pp2": dict(dp=2, tp=2, pp=2, ep=1, **COMMON),
+         "tp2_pp2_ep2": dict(dp=1, tp=2, pp=2, ep=2, **COMMON)}
+COUNTED_STEP = 1  # the step whose collectives are counted (not the first: nothing special may happen there)
+
+C10D = {"allreduce_": "all_reduce", "allgather_": "all_gather", "allgather_into_tensor_coalesced_": "all_gather",
+        "_allgather_base_": "all_gather", "reduce_scatter_": "reduce_scatter",
+        "_reduce_scatter_base_": "reduce_scatter", "reduce_scatter_tensor_coalesced_": "reduce_scatter",
+        "alltoall_base_": "all_to_all", "alltoall_": "all_to_all", "broadcast_": "broadcast", "send": "send",
+        "recv_": "recv", "recv_any_source_": "recv"}
+
+
+def _comm_counter():
+    """A TorchDispatchMode that adds up, per collective, the bytes of the tensors this rank hands to it.
+
+    Every c10d collective goes through the dispatcher as ``torch.ops.c10d.<name>``, including those called
+    from autograd's backward, so nothing is missed and the implementation needs no cooperation. Groups of
+    one rank move nothing and are skipped.
+    """
+    import torch.distributed as dist
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CommCounter(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.bytes: dict[str, int] = {}
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func.namespace == "c10d":
+                name = func._opname if hasattr(func, "_opname") else str(func).split(".")[1]
+                groups = [a for a in args if type(a).__name__ == "ScriptObject"]
+                size = dist.ProcessGroup.unbox(groups[0]).size() if groups else 2
+                if name in C10D and size > 1:
+                    payload = args[1] if name == "alltoall_base_" else args[0]
+                    tensors = payload if isinstance(payload, (list, tuple)) else [payload]
+                    flat = [t for item in tensors for t in (item if isinstance(item, (list, tuple)) else [item])]
+                    kind = C10D[name]
+                    self.bytes[kind] = self.bytes.get(kind, 0) + sum(t.numel() * t.element_size() for t in flat)
+            return func(*args, **kwargs)
+
+    return CommCounter()
+
+
+def _mesh_check(mesh_mod, degrees) -> dict:
+    import torch.distributed as dist
+
+    mesh = mesh_mod.build_mesh(**degrees, device_type="cpu")
+    groups = {n: dist.get_process_group_ranks(mesh.get_group(n)) for n in ("pp", "dp", "ep", "tp")}
+    groups["dense"] = dist.get_process_group_ranks(mesh_mod.dense_grad_group(mesh))
+    return {"groups": groups, "coordinate": list(mesh.get_coordinate()), "names": list(mesh.mesh_dim_names),
+            "grid": mesh.mesh.tolist()}
+
+
+def _train_check(impl, kwargs) -> dict:
+    import contextlib
+
+    t4 = impl.parallel.train_4d
+    cfg = t4.Train4DConfig(**kwargs)
+    counter = _comm_counter()
+    out = t4.train(cfg, step_callback=lambda step: counter if step == COUNTED_STEP else contextlib.nullcontext())
+    return {"losses": out["losses"], "params": out["params"], "coords": dict(out["coords"]), "comm": counter.bytes}
+
+
+def _check(results: dict, name: str, fn) -> None:
+    try:
+        results[name] = ("ok", fn())
+    except Exception:
+        results[name] = ("error", traceback.format_exc())
+
+
+def _mesh_rank_fn() -> bytes:
+    import kit.impl
+
+    impl = kit.impl.load()
+    results: dict = {}
+    for name, degrees in LAYOUTS.items():
+        _check(results, f"mesh_{name}", lambda degrees=degrees: _mesh_check(impl.parallel.mesh, degrees))
+    for name, kwargs in TRAIN.items():
+        _check(results, f"train_{name}", lambda kwargs=kwargs: _train_check(impl, kwargs))
+    return pickle.dumps(results)  # by value: see test_stage6_parallel_alone
+
+
+@pytest.fixture(scope="module")
+def ranks8() -> dict:
+    try:
+        ranks = [pickle.loads(r) for r in run_on_ranks(_mesh_rank_fn, 8, timeout=110)]
+    except Exception as exc:
+        return {"__spawn__": exc}
+    return {name: [r[name] for r in ranks] for name in ranks[0]}
+
+
+def _values(results: dict, name: str) -> list:
+    if "__spawn__" in results:
+        raise results["__spawn__"]
+    for rank, (status, value) in enumerate(results[name]):
+        if status == "error":
+            if "NotImplementedError" in value:
+                raise NotImplementedError(f"rank {rank}, check {name!r}:\n{value}")
+            raise AssertionError(f"rank {rank} failed in check {name!r}:\n{value}")
+    return [value for _, value in results[name]]
+
+
+# ------------------------------------------------------------------------------------------------
+# The mesh (handout 06 §1)
+# ------------------------------------------------------------------------------------------------
+
+
+def _documented_layout(dp: int, tp: int, pp: int, ep: int, rank: int) -> dict:
+    """Handout 06 §1: rank = ((p·dp + d)·ep + e)·tp + t. A group holds the ranks differing in its axis only."""
+    t, e, d, p = rank % tp, rank // tp % ep, rank // (tp * ep) % dp, rank // (tp * ep * dp)
+
+    def r(p_, d_, e_, t_):
+        return ((p_ * dp + d_) * ep + e_) * tp + t_
+
+    return {"coordinate": [p, d, e, t],
+            "groups": {"pp": [r(i, d, e, t) for i in range(pp)], "dp": [r(p, i, e, t) for i in range(dp)],
+                       "ep": [r(p, d, i, t) for i in range(ep)], "tp": [r(p, d, e, i) for i in range(tp)],
+                       "dense": sorted(r(p, i, j, t) for i in range(dp) for j in range(ep))}}
+
+
+@pytest.mark.points(2)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_mesh_layout(ranks8, layout):
+    degrees = LAYOUTS[layout]
+    s = "handout 06 §1"
+    for rank, v in enumerate(_values(ranks8, f"mesh_{layout}")):
+        expected = _documented_layout(**degrees, rank=rank)
+        assert_equal(v["names"], ["pp", "dp", "ep", "tp"], name="mesh dimension names (outermost first)", section=s)
+        assert_equal(v["coordinate"], expected["coordinate"], name=f"{layout}: rank {rank}'s (pp, dp, ep, tp)",
+                     section=s)
+        for axis, members in expected["groups"].items():
+            assert_equal(sorted(v["groups"][axis]), members, name=f"{layout}: rank {rank}'s {axis} group", section=s)
+
+
+@pytest.mark.points(1)
+def test_format_mesh(impl):
+    text = impl.parallel.mesh.format_mesh(dp=2, tp=2, pp=2, ep=1)
+    rows = [[int(tok) for tok in line.split() if tok.isdigit()] for line in text.splitlines()]
+    rows = [r for r in rows if r]
+    assert_equal(rows, [[0, 1], [2, 3], [4, 5], [6, 7]], name="format_mesh(dp=2, tp=2, pp=2, ep=1) rank rows",
+                 section="handout 06 §1")
+    assert "pp=1" in text and "tp=1" in text, f"format_mesh should label the axes:\n{text}"
+
+
+# ------------------------------------------------------------------------------------------------
+# Composition (handout 06 §5)
+# ------------------------------------------------------------------------------------------------
+
+TP_SHARD_DIM = {"attn.q_proj.weight": 0, "attn.k_proj.weight": 0, "attn.v_proj.weight": 0,
+                "attn.output_proj.weight": 1}
+EXPERT = ("ffn.w1", "ffn.w2", "ffn.w3")
+
+
+def _single_process(impl, kwargs) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The same model, unsharded, on one process: the global batch cut into the same routing groups."""
+
+    # One thread: on a loaded 2-core machine, two threads contend and this tiny model runs 20× slower.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _single_process_run(impl, kwargs)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _single_process_run(impl, kwargs) -> tuple[list[float], dict[str, torch.Tensor]]:
+    from kit.data import random_batch
+
+    t4 = impl.parallel.train_4d
+    cfg = t4.Train4DConfig(**kwargs)
+    model = t4.build_model(cfg)
+    opt = make_optimizer(model, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    moes = [b.ffn for b in model.layers]
+    shards, ga, b = cfg.dp * cfg.ep, cfg.grad_accum_steps, cfg.micro_batch_size
+    losses = []
+    for step in range(cfg.steps):
+        inputs, targets = random_batch(cfg.global_batch_size, cfg.seq_len, cfg.model.vocab_size, seed=cfg.seed + step)
+        total = 0.0
+        for k in range(shards * ga):  # shard k // ga, micro-batch k % ga: consecutive rows of MBS
+            rows = slice(k * b, (k + 1) * b)
+            ce = cross_entropy(model(inputs[rows]), targets[rows])
+            aux = sum(m.aux_loss for m in moes)
+            ((ce + cfg.aux_loss_coef * aux) / (shards * ga)).backward()
+            total += ce.item()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(total / (shards * ga))
+    return losses, {n: p.detach() for n, p in model.named_parameters()}
+
+
+def _expected_shard(full: torch.Tensor, name: str, coords: dict, kwargs: dict) -> torch.Tensor:
+    suffix = name.split(".", 2)[-1] if name.startswith("layers.") else name
+    if suffix in TP_SHARD_DIM:
+        full = full.chunk(kwargs["tp"], TP_SHARD_DIM[suffix])[coords["tp"]]
+    if suffix in EXPERT:
+        full = full.chunk(kwargs["ep"], 0)[coords["ep"]]
+    return full
+
+
+@pytest.mark.points(5)
+@pytest.mark.parametrize("run", list(TRAIN))
+def test_4d_training_matches_single_process(ranks8, impl, run):
+    ranks = _values(ranks8, f"train_{run}")
+    kwargs = TRAIN[run]
+    losses, params = _single_process(impl, kwargs)
+    s = "handout 06 §5"
+    # fp32 throughout; the tensor-parallel sums and the gradient all-reduce add in a different order than one
+    # process does, so equality holds to rounding: 1e-5 on the loss, and on parameters after 3 AdamW steps.
+    for rank, v in enumerate(ranks):
+        assert_close(torch.tensor(v["losses"]), torch.tensor(losses), name=f"{run}: rank {rank}'s loss per step",
+                     section=s, rtol=1e-5, atol=1e-5)
+    seen = set()
+    for rank, v in enumerate(ranks):
+        for name, value in v["params"].items():
+            seen.add(name)
+            assert name in params, f"{run}: rank {rank} holds {name}, which the model does not have. See {s}."
+            expected = _expected_shard(params[name], name, v["coords"], kwargs)
+            assert_close(value, expected, name=f"{run}: rank {rank} {v['coords']} parameter {name} after "
+                         f"{kwargs['steps']} steps", section=s, rtol=1e-4, atol=1e-5)
+    missing = sorted(set(params) - seen)
+    assert not missing, f"{run}: no rank holds {missing}. See {s}."
+    assert losses[-1] < losses[0], f"{run}: the single-process reference did not learn ({losses}); test set-up"
+
+
+@pytest.mark.points(1)
+def test_batch_config_and_microbatches(impl):
+    from kit.data import random_batch
+
+    t4 = impl.parallel.train_4d
+    with pytest.raises(ValueError, match="global_batch_size"):
+        t4.Train4DConfig(dp=2, tp=1, pp=1, ep=2, global_batch_size=8, micro_batch_size=2, grad_accum_steps=2)
+    cfg = t4.Train4DConfig(dp=2, tp=1, pp=1, ep=2, global_batch_size=24, micro_batch_size=3, grad_accum_steps=2,
+                           seq_len=8)
+    inputs, targets = random_batch(24, 8, cfg.model.vocab_size, seed=cfg.seed + 5)
+    for shard in range(4):
+        got = t4.microbatches(cfg, 5, shard)
+        assert_equal(len(got), 2, name=f"number of micro-batches of shard {shard}", section="handout 06 §5.2")
+        for i, (x, y) in enumerate(got):
+            rows = slice(shard * 6 + i * 3, shard * 6 + (i + 1) * 3)
+            assert torch.equal(x, inputs[rows]) and torch.equal(y, targets[rows]), (
+                f"shard {shard} micro-batch {i} should be rows {rows.start}–{rows.stop - 1} of step 5's global batch "
+                "(handout 06 §5.2)")
+
+
+# ------------------------------------------------------------------------------------------------
+# Accounting: predicted vs counted communication (handout 06 §6.3)
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.points(4)
+@pytest.mark.parametrize("run", list(TRAIN))
+def test_comm_volume_matches_accounting(ranks8, impl, run):
+    ranks = _values(ranks8, f"train_{run}")
+    acc = impl.parallel.accounting
+    cfg = impl.parallel.train_4d.Train4DConfig(**TRAIN[run])
+    for rank, v in enumerate(ranks):
+        stage = v["coords"]["pp"]
+        predicted = acc.by_collective(acc.comm_volume_per_step(cfg, stage))
+        assert_equal(v["comm"], predicted,
+                     name=f"{run}: rank {rank} (stage {stage}) payload bytes per collective in one step "
+                     "(counted vs accounting.comm_volume_per_step)", section="handout 06 §6.3")

@@ -1,0 +1,478 @@
+"""Stage 6 — each parallelism alone equals its single-process counterpart (handout/06-4d-parallelism.md).
+
+One 2-rank spawn runs every distributed check (tensor, pipeline and expert parallelism, bad input) and
+returns per-check results; each test below reads its own check, so a failure names the piece that is
+wrong. The single-process references are computed here, in the test process, with torch's own autograd.
+"""
+
+from __future__ import annotations
+
+import pickle
+import traceback
+
+import pytest
+import torch
+
+from kit.model import ModelConfig, TransformerLM, cross_entropy
+from kit.spawn import run_on_ranks
+from kit.testing import assert_close, assert_equal
+
+pytestmark = pytest.mark.stage6
+
+BLOCK_CFG = ModelConfig(vocab_size=64, context_length=16, d_model=32, d_ff=64, num_layers=1, num_heads=4)
+PIPE_CFG = ModelConfig(vocab_size=64, context_length=16, d_model=32, d_ff=64, num_layers=3, num_heads=4)
+MOE = dict(d_model=16, d_ff=24, num_experts=4, top_k=2, capacity_factor=1.0)
+M, MBS, T = 4, 2, 8  # micro-batches, micro-batch size, sequence length for the pipeline checks
+
+
+# ------------------------------------------------------------------------------------------------
+# Inputs shared by the ranks and the single-process references (same seeds → same tensors)
+# ------------------------------------------------------------------------------------------------
+
+
+def _block_and_input(seed: int = 0):
+    torch.manual_seed(seed)
+    block = TransformerLM(BLOCK_CFG).layers[0]
+    x = torch.randn(2, 8, BLOCK_CFG.d_model, generator=torch.Generator().manual_seed(seed + 1))
+    grad_out = torch.randn(2, 8, BLOCK_CFG.d_model, generator=torch.Generator().manual_seed(seed + 2))
+    return block, x, grad_out
+
+
+def _pipe_model_and_batches(seed: int = 0):
+    torch.manual_seed(seed)
+    model = TransformerLM(PIPE_CFG)
+    g = torch.Generator().manual_seed(seed + 1)
+    tokens = torch.randint(0, PIPE_CFG.vocab_size, (M, MBS, T + 1), generator=g)
+    return model, [(tokens[i, :, :-1], tokens[i, :, 1:]) for i in range(M)]
+
+
+def _moe_input(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + rank)
+    return torch.randn(3, 4, MOE["d_model"], generator=g), torch.randn(3, 4, MOE["d_model"], generator=g)
+
+
+def _make_moe(impl, seed: int = 3):
+    torch.manual_seed(seed)
+    return impl.parallel.expert_parallel.MoEFeedForward(
+        MOE["d_model"], MOE["d_ff"], MOE["num_experts"], top_k=MOE["top_k"], capacity_factor=MOE["capacity_factor"])
+
+
+# ------------------------------------------------------------------------------------------------
+# What each rank runs
+# ------------------------------------------------------------------------------------------------
+
+
+def _check(results: dict, name: str, fn) -> None:
+    """Run one check; record its value or the traceback, so one broken piece does not hide the others."""
+    try:
+        results[name] = ("ok", fn())
+    except Exception:
+        results[name] = ("error", traceback.format_exc())
+
+
+def _tp_ops_check(tp):
+    import torch.distributed as dist
+
+    r = dist.get_rank()
+    x = torch.arange(6.0, requires_grad=True)
+    w = torch.full((6,), float(r + 1))
+    (tp.copy_to_tensor_parallel(x) * w).sum().backward()
+    xr = (torch.arange(6.0) * (r + 1)).requires_grad_()
+    y = tp.reduce_from_tensor_parallel(xr)
+    (y * torch.arange(6.0)).sum().backward()
+    return {"f_forward": tp.copy_to_tensor_parallel(x).detach(), "f_grad": x.grad, "g_forward": y.detach(),
+            "g_grad": xr.grad}
+
+
+def _tp_linear_check(tp):
+    import torch.distributed as dist
+
+    g = torch.Generator().manual_seed(7)
+    a, b = torch.randn(8, 6, generator=g), torch.randn(6, 8, generator=g)
+    x, up = torch.randn(2, 3, 6, generator=g), torch.randn(2, 3, 8, generator=g)
+    out = {}
+    col = tp.ColumnParallelLinear(a)
+    xc = x.clone().requires_grad_()
+    yc = col(xc)
+    (yc * up.chunk(2, dim=-1)[dist.get_rank()]).sum().backward()
+    out.update(col_y=yc.detach(), col_x_grad=xc.grad, col_w_grad=col.weight.grad)
+    gathered = tp.ColumnParallelLinear(a, gather_output=True)
+    out["col_gather_y"] = gathered(x).detach()
+    row = tp.RowParallelLinear(b)
+    xr = torch.randn(2, 3, 8, generator=g).chunk(2, dim=-1)[dist.get_rank()].clone().requires_grad_()
+    yr = row(xr)
+    (yr * torch.randn(2, 3, 6, generator=g)).sum().backward()
+    out.update(row_y=yr.detach(), row_x_grad=xr.grad, row_w_grad=row.weight.grad)
+    return out
+
+
+def _tp_block_check(tp):
+    block, x, grad_out = _block_and_input()
+    tp.parallelize_block(block, None)
+    x = x.requires_grad_()
+    y = block(x)
+    y.backward(grad_out)
+    return {"y": y.detach(), "x_grad": x.grad,
+            "grads": {n: p.grad.clone() for n, p in block.named_parameters()},
+            "shapes": {n: tuple(p.shape) for n, p in block.named_parameters()}}
+
+
+def _pipeline_check(pp, kind):
+    import torch.distributed as dist
+
+    model, batches = _pipe_model_and_batches()
+    stage = pp.PipelineStage(model, dist.get_rank(), 2)
+    run = pp.gpipe if kind == "gpipe" else pp.one_f_one_b
+    res = run(stage, batches, group=None, activation_shape=(MBS, T, PIPE_CFG.d_model))
+    return {"loss": res.loss, "peak_bytes": res.peak_activation_bytes, "in_flight": res.peak_in_flight,
+            "grads": {n: p.grad.clone() for n, p in stage.named_parameters() if p.grad is not None}}
+
+
+def _activation_bytes_one_microbatch(pp):
+    """This stage's saved-activation bytes for one micro-batch, measured with a plain forward."""
+    import torch.distributed as dist
+
+    model, batches = _pipe_model_and_batches()
+    stage = pp.PipelineStage(model, dist.get_rank(), 2)
+    meter = pp.ActivationMeter(list(stage.parameters()))
+    x = batches[0][0] if stage.is_first else torch.randn(MBS, T, PIPE_CFG.d_model, requires_grad=True)
+    with meter:
+        y = stage(x)
+        if stage.is_last:
+            y = cross_entropy(y, batches[0][1])
+    return meter.peak
+
+
+def _moe_check(impl):
+    import torch.distributed as dist
+
+    ep = impl.parallel.expert_parallel
+    moe = ep.parallelize_moe(_make_moe(impl), None)
+    x, up = _moe_input(dist.get_rank())
+    x = x.requires_grad_()
+    y = moe(x)
+    (y * up).sum().backward()
+    return {"y": y.detach(), "dropped": moe.dropped_tokens, "aux": moe.aux_loss.detach(), "x_grad": x.grad,
+            "grads": {n: p.grad.clone() for n, p in moe.named_parameters()}}
+
+
+def _bad_input_check(impl):
+    """Each entry: the exception type name raised (or 'none')."""
+    def raised(fn) -> str:
+        try:
+            fn()
+        except (ValueError, TypeError) as exc:
+            return type(exc).__name__
+        return "none"
+
+    torch.manual_seed(0)
+    three_heads = TransformerLM(ModelConfig(vocab_size=16, context_length=8, d_model=12, d_ff=24, num_layers=1,
+                                            num_heads=3)).layers[0]
+    odd_ff = TransformerLM(ModelConfig(vocab_size=16, context_length=8, d_model=16, d_ff=25, num_layers=1,
+                                       num_heads=2)).layers[0]
+    three_experts = impl.parallel.expert_parallel.MoEFeedForward(8, 8, 3, top_k=1)
+    return {
+        "heads_not_divisible": raised(lambda: impl.parallel.tensor_parallel.parallelize_block(three_heads, None)),
+        "d_ff_not_divisible": raised(lambda: impl.parallel.tensor_parallel.parallelize_block(odd_ff, None)),
+        "experts_not_divisible": raised(lambda: impl.parallel.expert_parallel.parallelize_moe(three_experts, None)),
+        "mesh_wrong_product": raised(lambda: impl.parallel.mesh.build_mesh(dp=2, tp=2, pp=1, ep=1, device_type="cpu")),
+        "mesh_zero_axis": raised(lambda: impl.parallel.mesh.build_mesh(dp=2, tp=0, pp=1, ep=1, device_type="cpu")),
+    }
+
+
+def _alone_rank_fn() -> dict:
+    import kit.impl
+
+    impl = kit.impl.load()
+    results: dict = {}
+    _check(results, "tp_ops", lambda: _tp_ops_check(impl.parallel.tensor_parallel))
+    _check(results, "tp_linear", lambda: _tp_linear_check(impl.parallel.tensor_parallel))
+    _check(results, "tp_block", lambda: _tp_block_check(impl.parallel.tensor_parallel))
+    _check(results, "gpipe", lambda: _pipeline_check(impl.parallel.pipeline_parallel, "gpipe"))
+    _check(results, "1f1b", lambda: _pipeline_check(impl.parallel.pipeline_parallel, "1f1b"))
+    _check(results, "act_one_mb", lambda: _activation_bytes_one_microbatch(impl.parallel.pipeline_parallel))
+    _check(results, "moe_ep", lambda: _moe_check(impl))
+    _check(results, "bad_input", lambda: _bad_input_check(impl))
+    # Pickled here, by value: tensors sent through the result queue as they are would travel as shared
+    # memory handles that vanish when this rank exits.
+    return pickle.dumps(results)
+
+
+@pytest.fixture(scope="module")
+def alone() -> dict:
+    """Per check: a list of the two ranks' values, or an exception to re-raise in that check's test."""
+    try:
+        ranks = [pickle.loads(r) for r in run_on_ranks(_alone_rank_fn, 2, timeout=90)]
+    except Exception as exc:  # a hang or crash of the whole spawn: every test reports it
+        return {"__spawn__": exc}
+    return {name: [r[name] for r in ranks] for name in ranks[0]}
+
+
+def _values(alone: dict, name: str) -> list:
+    """The ranks' values for one check, or the first rank's error re-raised (NotImplementedError stays one)."""
+    if "__spawn__" in alone:
+        raise alone["__spawn__"]
+    for rank, (status, value) in enumerate(alone[name]):
+        if status == "error":
+            if "NotImplementedError" in value:
+                raise NotImplementedError(f"rank {rank}, check {name!r}:\n{value}")
+            raise AssertionError(f"rank {rank} failed in check {name!r}:\n{value}")
+    return [value for _, value in alone[name]]
+
+
+# ------------------------------------------------------------------------------------------------
+# Tensor parallelism (handout 06 §2)
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.points(2)
+def test_f_and_g_operators(alone):
+    ranks = _values(alone, "tp_ops")
+    x = torch.arange(6.0)
+    for r, v in enumerate(ranks):
+        assert_close(v["f_forward"], x, name=f"rank {r}: f forward (identity)", section="handout 06 §2.1")
+        # ∂/∂x Σ_ranks (x · w_r) with w_r = r + 1: the backward of f all-reduces 1 + 2.
+        assert_close(v["f_grad"], torch.full((6,), 3.0), name=f"rank {r}: f backward (all-reduced gradient)",
+                     section="handout 06 §2.1")
+        assert_close(v["g_forward"], x * 3, name=f"rank {r}: g forward (sum over ranks)", section="handout 06 §2.1")
+        assert_close(v["g_grad"], x, name=f"rank {r}: g backward (identity)", section="handout 06 §2.1")
+
+
+@pytest.mark.points(3)
+def test_column_and_row_parallel_linear(alone):
+    ranks = _values(alone, "tp_linear")
+    g = torch.Generator().manual_seed(7)
+    a, b = torch.randn(8, 6, generator=g).double(), torch.randn(6, 8, generator=g).double()
+    x, up = torch.randn(2, 3, 6, generator=g).double(), torch.randn(2, 3, 8, generator=g).double()
+    xr_full, up_r = torch.randn(2, 3, 8, generator=g).double(), torch.randn(2, 3, 6, generator=g).double()
+    y = x @ a.T
+    for r, v in enumerate(ranks):
+        s = "handout 06 §2.2"
+        assert_close(v["col_y"], y.chunk(2, -1)[r], name=f"rank {r}: ColumnParallelLinear output slice", section=s)
+        # L = Σ_r <y_r, up_r> = <y, up>: ∂L/∂x needs every rank's slice (the all-reduce in f's backward).
+        assert_close(v["col_x_grad"], up @ a, name=f"rank {r}: ColumnParallelLinear ∂L/∂x", section=s)
+        assert_close(v["col_w_grad"], (up.reshape(-1, 8).T @ x.reshape(-1, 6)).chunk(2, 0)[r],
+                     name=f"rank {r}: ColumnParallelLinear ∂L/∂weight shard", section=s)
+        assert_close(v["col_gather_y"], y, name=f"rank {r}: ColumnParallelLinear gather_output", section=s)
+        assert_close(v["row_y"], xr_full @ b.T, name=f"rank {r}: RowParallelLinear output (after g)", section=s)
+        assert_close(v["row_x_grad"], (up_r @ b).chunk(2, -1)[r], name=f"rank {r}: RowParallelLinear ∂L/∂x slice",
+                     section=s)
+        assert_close(v["row_w_grad"], (up_r.reshape(-1, 6).T @ xr_full.reshape(-1, 8)).chunk(2, 1)[r],
+                     name=f"rank {r}: RowParallelLinear ∂L/∂weight shard", section=s)
+
+
+# Which dimension of each full weight a tp rank keeps a slice of (None: replicated). Handout 06 §2.3.
+TP_SHARD_DIM = {"attn.q_proj.weight": 0, "attn.k_proj.weight": 0, "attn.v_proj.weight": 0,
+                "attn.output_proj.weight": 1, "ffn.w1.weight": 0, "ffn.w3.weight": 0, "ffn.w2.weight": 1}
+
+
+@pytest.mark.points(4)
+def test_parallelized_block_matches_single_process(alone):
+    ranks = _values(alone, "tp_block")
+    block, x, grad_out = _block_and_input()
+    x = x.requires_grad_()
+    y = block(x)
+    y.backward(grad_out)
+    s = "handout 06 §2.3"
+    for r, v in enumerate(ranks):
+        assert_close(v["y"], y, name=f"rank {r}: block output", section=s, rtol=1e-5, atol=1e-5)
+        assert_close(v["x_grad"], x.grad, name=f"rank {r}: block ∂L/∂x", section=s, rtol=1e-5, atol=1e-5)
+        for name, p in block.named_parameters():
+            dim = TP_SHARD_DIM.get(name)
+            expected = p.grad if dim is None else p.grad.chunk(2, dim)[r]
+            assert name in v["grads"], f"rank {r}: parameter {name} missing after parallelize_block ({s})"
+            assert_close(v["grads"][name], expected, name=f"rank {r}: gradient of {name} (shard dim {dim})",
+                         section=s, rtol=1e-4, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------------
+# Pipeline parallelism (handout 06 §3)
+# ------------------------------------------------------------------------------------------------
+
+
+def _sequential_reference():
+    model, batches = _pipe_model_and_batches()
+    losses = []
+    for inputs, targets in batches:
+        loss = cross_entropy(model(inputs), targets)
+        (loss / M).backward()
+        losses.append(loss.item())
+    return sum(losses) / M, {n: p.grad for n, p in model.named_parameters()}
+
+
+@pytest.mark.points(3)
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b"])
+def test_pipeline_schedule_matches_sequential(alone, kind):
+    ranks = _values(alone, kind)
+    loss, grads = _sequential_reference()
+    s = "handout 06 §3.2" if kind == "gpipe" else "handout 06 §3.3"
+    seen = set()
+    for r, v in enumerate(ranks):
+        assert abs(v["loss"] - loss) < 1e-5, (
+            f"rank {r}: {kind} reported loss {v['loss']:.6f}, sequential training gives {loss:.6f} — the loss lives "
+            f"on the last stage and every stage must report it. See {s}.")
+        for name, g in v["grads"].items():
+            seen.add(name)
+            assert_close(g, grads[name], name=f"stage {r}: gradient of {name} after {M} micro-batches", section=s,
+                         rtol=1e-4, atol=1e-6)
+    missing = sorted(set(grads) - seen)
+    assert not missing, f"{kind}: no stage produced a gradient for {missing}. See {s}."
+
+
+@pytest.mark.points(3)
+def test_one_f_one_b_keeps_at_most_p_microbatches(alone):
+    gpipe, ofob, one = (_values(alone, k) for k in ("gpipe", "1f1b", "act_one_mb"))
+    p, s = 2, "handout 06 §3.3"
+    for r in range(p):
+        assert_equal(gpipe[r]["in_flight"], M, name=f"GPipe stage {r}: micro-batches alive at once", section=s)
+        assert_equal(ofob[r]["in_flight"], min(p - r, M), name=f"1F1B stage {r}: micro-batches alive at once",
+                     section=s)
+        # Measured bytes of saved activations: GPipe holds all M micro-batches, 1F1B at most p − r.
+        assert one[r] > 0, f"stage {r}: ActivationMeter measured no saved activations. See {s}."
+        assert_close(torch.tensor(float(gpipe[r]["peak_bytes"])), torch.tensor(float(M * one[r])),
+                     name=f"GPipe stage {r}: peak saved-activation bytes (= {M} × one micro-batch)", section=s,
+                     rtol=0.02, atol=0)
+        assert_close(torch.tensor(float(ofob[r]["peak_bytes"])), torch.tensor(float(min(p - r, M) * one[r])),
+                     name=f"1F1B stage {r}: peak saved-activation bytes (= {min(p - r, M)} × one micro-batch)",
+                     section=s, rtol=0.02, atol=0)
+
+
+def _in_flight(order) -> int:
+    alive, peak = set(), 0
+    for op, i in order:
+        if op == "F":
+            alive.add(i)
+        else:
+            assert i in alive, f"backward of micro-batch {i} before its forward"
+            alive.remove(i)
+        peak = max(peak, len(alive))
+    return peak
+
+
+@pytest.mark.points(2)
+def test_schedule_orders(impl):
+    pp = impl.parallel.pipeline_parallel
+    p, m = 4, 6
+    for s in range(p):
+        gp = pp.gpipe_order(p, s, m)
+        assert_equal(gp, [("F", i) for i in range(m)] + [("B", i) for i in range(m)],
+                     name=f"gpipe_order(p={p}, s={s}, m={m})", section="handout 06 §3.2")
+        order = pp.one_f_one_b_order(p, s, m)
+        assert_equal(sorted(order), sorted(gp), name=f"one_f_one_b_order(p={p}, s={s}, m={m}) as a set of ops",
+                     section="handout 06 §3.3")
+        warmup = min(p - s - 1, m)
+        assert_equal(order[:warmup + 1], [("F", i) for i in range(warmup + 1)],
+                     name=f"1F1B stage {s}: the warm-up forwards", section="handout 06 §3.3")
+        assert_equal(order[warmup + 1], ("B", 0), name=f"1F1B stage {s}: first backward right after warm-up",
+                     section="handout 06 §3.3")
+        assert_equal(_in_flight(order), min(p - s, m), name=f"1F1B stage {s}: most micro-batches in flight",
+                     section="handout 06 §3.3")
+    assert_equal(pp.one_f_one_b_order(4, 0, 2), [("F", 0), ("F", 1), ("B", 0), ("B", 1)],
+                 name="one_f_one_b_order(p=4, s=0, m=2) with fewer micro-batches than stages",
+                 section="handout 06 §3.3")
+
+
+@pytest.mark.points(1)
+def test_bubble_fraction_matches_simulated_schedule(impl):
+    pp = impl.parallel.pipeline_parallel
+    for p, m in ((2, 4), (4, 4), (4, 16), (8, 3)):
+        expected = (p - 1) / (m + p - 1)
+        assert abs(pp.bubble_fraction(p, m) - expected) < 1e-12, (
+            f"bubble_fraction({p}, {m}) = {pp.bubble_fraction(p, m)}, expected (p−1)/(m+p−1) = {expected}")
+        for kind in ("gpipe", "1f1b"):
+            timeline = pp.simulate_schedule(kind, p, m, 1.0, 2.0)
+            end = max(e[3] for stage in timeline for e in stage)
+            idle = 1 - sum(e[3] - e[2] for e in timeline[0]) / end
+            assert abs(idle - expected) < 1e-9, (
+                f"{kind} p={p} m={m}: simulated idle fraction {idle:.4f} ≠ {expected:.4f}")
+    with pytest.raises(ValueError, match="m"):
+        pp.bubble_fraction(2, 0)
+
+
+# ------------------------------------------------------------------------------------------------
+# Expert parallelism (handout 06 §4)
+# ------------------------------------------------------------------------------------------------
+
+
+def naive_moe(moe, x: torch.Tensor) -> tuple[torch.Tensor, int, torch.Tensor]:
+    """A loop-by-loop float64 mixture of experts with the handout's routing rules (§4.1)."""
+    xs = x.reshape(-1, moe.d_model).double()
+    n, e, k = xs.shape[0], moe.num_experts, moe.top_k
+    capacity = n if moe.capacity_factor is None else max(1, -(-int(moe.capacity_factor * n * k * 1000) // (e * 1000)))
+    w1, w2, w3, wr = (t.detach().double() for t in (moe.w1, moe.w2, moe.w3, moe.router.weight))
+    probs = torch.softmax(xs @ wr.T, dim=-1)
+    choices = [sorted(range(e), key=lambda j: (-probs[i, j].item(), j))[:k] for i in range(n)]
+    used, dropped, out = [0] * e, 0, torch.zeros(n, moe.d_model, dtype=torch.float64)
+    counts = [0] * e
+    for c in range(k):  # every first choice before any second choice
+        for i in range(n):
+            j = choices[i][c]
+            counts[j] += 1
+            if used[j] >= capacity:
+                dropped += 1
+                continue
+            used[j] += 1
+            gate = probs[i, j] / sum(probs[i, jj] for jj in choices[i])
+            h = torch.nn.functional.silu(xs[i] @ w1[j]) * (xs[i] @ w3[j])
+            out[i] += gate * (h @ w2[j])
+    aux = e * sum(counts[j] / (n * k) * probs[:, j].mean() for j in range(e))
+    return out.reshape(x.shape), dropped, aux
+
+
+@pytest.mark.points(3)
+def test_moe_matches_naive_loop(impl):
+    moe = _make_moe(impl)
+    for rank in (0, 1):
+        x, _ = _moe_input(rank)
+        y = moe(x)
+        ref, dropped, aux = naive_moe(moe, x)
+        s = "handout 06 §4.1"
+        assert dropped > 0, "test set-up: the capacity factor should drop some assignments"
+        assert_equal(moe.dropped_tokens, dropped, name=f"input {rank}: dropped token assignments", section=s)
+        assert_close(y, ref, name=f"input {rank}: MoE output", section=s, rtol=1e-5, atol=1e-5)
+        assert_close(moe.aux_loss, torch.as_tensor(aux), name=f"input {rank}: load-balancing loss", section=s,
+                     rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="top_k"):
+        impl.parallel.expert_parallel.MoEFeedForward(8, 8, 2, top_k=3)
+    assert_equal(impl.parallel.expert_parallel.expert_capacity(10, 4, 2, 1.25), 7,
+                 name="expert_capacity(10 tokens, 4 experts, top-2, factor 1.25) = ceil(6.25)", section=s)
+
+
+@pytest.mark.points(4)
+def test_expert_parallel_moe_matches_single_process(alone, impl):
+    ranks = _values(alone, "moe_ep")
+    s = "handout 06 §4.2"
+    local = MOE["num_experts"] // 2
+    # One process, one MoE with all experts, each rank's tokens routed as their own group. An expert's
+    # gradient collects the tokens of *every* rank (they were sent to it); the router's only its own.
+    moes, xs = [], []
+    for r in range(2):
+        moe = _make_moe(impl)
+        x, up = _moe_input(r)
+        x = x.requires_grad_()
+        (moe(x) * up).sum().backward()
+        moes.append(moe)
+        xs.append(x)
+    expert_grad = {n: moes[0].get_parameter(n).grad + moes[1].get_parameter(n).grad for n in ("w1", "w2", "w3")}
+    for r, v in enumerate(ranks):
+        moe, x = moes[r], xs[r]
+        y = moe(x.detach())
+        assert_equal(v["dropped"], moe.dropped_tokens, name=f"rank {r}: dropped token assignments", section=s)
+        assert_close(v["y"], y, name=f"rank {r}: MoE output", section=s, rtol=1e-5, atol=1e-6)
+        assert_close(v["aux"], moe.aux_loss, name=f"rank {r}: load-balancing loss", section=s, rtol=1e-5, atol=1e-7)
+        assert_close(v["x_grad"], x.grad, name=f"rank {r}: ∂L/∂x", section=s, rtol=1e-5, atol=1e-6)
+        assert_close(v["grads"]["router.weight"], moe.router.weight.grad,
+                     name=f"rank {r}: gradient of router.weight (its own tokens)", section=s, rtol=1e-4, atol=1e-6)
+        for name, g in expert_grad.items():
+            assert_close(v["grads"][name], g[r * local:(r + 1) * local],
+                         name=f"rank {r}: gradient of its experts' {name} (tokens of both ranks)", section=s,
+                         rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.points(1)
+def test_bad_input_is_rejected(alone):
+    (v, _) = _values(alone, "bad_input")
+    for case, kind in (("heads_not_divisible", "ValueError"), ("d_ff_not_divisible", "ValueError"),
+                       ("experts_not_divisible", "ValueError"), ("mesh_wrong_product", "ValueError"),
+                       ("mesh_zero_axis", "ValueError")):
+        assert_equal(v[case], kind, name=f"error raised for {case.replace('_', ' ')}", section="handout 06 §1–4")
