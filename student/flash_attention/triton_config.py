@@ -1,0 +1,147 @@
+# Your work goes in this file. Generated from the kit's reference by `make student`.
+"""Given code: how the Triton kernels are configured — compiled and autotuned on a GPU, interpreted on a CPU.
+
+One kernel source runs in two worlds (handout 03 §5):
+
+* **compiled** (a CUDA GPU): for bf16/fp16, tile sizes, ``num_warps`` and ``num_stages`` are chosen by
+  ``@triton.autotune`` from the candidate lists below, once per problem shape and dtype; the tiles go
+  straight into ``tl.dot`` (tensor cores). fp32 uses one fixed config and ``input_precision="ieee"``
+  (exact fp32, not TF32).
+* **interpreted** (``TRITON_INTERPRET=1``, set by ``import kit`` on machines without CUDA): the kernel
+  body runs as NumPy code. Autotuning with more than one config needs a GPU driver, so one fixed
+  config is used; and the 3.6 interpreter cannot do bf16 arithmetic (bf16 ``tl.dot`` returns garbage),
+  so bf16 tiles are upcast to fp32 right after loading (``UPCAST``).
+
+``import kit`` must happen before ``import triton`` so that the interpreter switch is seen: this
+package's ``__init__`` does it first, before any module here imports triton.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+
+from kit import triton_interpreted  # the package's __init__ imported kit before triton (see there)
+
+# Fixed tiles under the interpreter: large enough that the interpreted loop over tiles stays short,
+# and unequal so that the CPU tests exercise diagonals that span several tiles, as on the GPU.
+# BLOCK_M must be a multiple of BLOCK_N (forward, dQ) and BLOCK_N a multiple of BLOCK_M (dK/dV) so
+# that a tile boundary falls on the causal diagonal (§4).
+INTERPRETER_BLOCKS = {
+    "forward": {"BLOCK_M": 64, "BLOCK_N": 32},
+    "dkdv": {"BLOCK_M": 32, "BLOCK_N": 64},
+    "dq": {"BLOCK_M": 64, "BLOCK_N": 32},
+}
+
+# Autotune on a GPU (bf16/fp16 only: fp32 runs on the CUDA cores, is not what this kernel is tuned for,
+# and its big tiles take minutes to compile). Set ``AUTOTUNE = False`` (or LLMSYS_FA_AUTOTUNE=0) to use
+# the fixed configs below everywhere — the GPU correctness checks do, to compile fewer variants.
+AUTOTUNE = os.environ.get("LLMSYS_FA_AUTOTUNE", "1") != "0"
+
+
+def _configs(entries: list[tuple[int, int, int, int]]) -> list[triton.Config]:
+    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in entries]
+
+
+# Candidates for a Hopper-class GPU (228 KB shared memory per SM), as (BLOCK_M, BLOCK_N, warps, stages).
+# The forward keeps a BLOCK_M × D query tile and its accumulator resident and streams K/V tiles; the
+# dK/dV kernel keeps BLOCK_N keys resident and streams queries; the dQ kernel does the opposite.
+GPU_CONFIGS = {
+    "forward": _configs([(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 4), (64, 64, 4, 3),
+                         (128, 32, 4, 3), (64, 32, 4, 4), (128, 128, 8, 2)]),
+    "dkdv": _configs([(32, 128, 8, 3), (64, 128, 8, 3), (32, 64, 4, 3), (64, 64, 4, 3), (16, 64, 4, 4),
+                      (32, 128, 4, 2)]),
+    "dq": _configs([(128, 32, 8, 3), (128, 64, 8, 3), (64, 32, 4, 3), (64, 64, 4, 3), (128, 32, 4, 4),
+                    (64, 32, 4, 5)]),
+}
+
+
+def fixed_config(kind: str, dtype: torch.dtype, head_dim: int) -> dict[str, int]:
+    """One safe launch config (tiles, warps, stages) for a GPU when not autotuning: fits in shared
+    memory and registers for every supported dtype and head dim."""
+    # Checked by compiling for sm_90: these fit the shared memory and spill few or no registers.
+    if dtype == torch.float32 and head_dim <= 32:  # fp32 runs on the CUDA cores: small tiles, short pipelines
+        m, n, w, s = {"forward": (64, 32, 4, 2), "dkdv": (32, 32, 4, 2), "dq": (64, 32, 4, 2)}[kind]
+    elif dtype == torch.float32:
+        m, n, w, s = {"forward": (64, 32, 8, 2), "dkdv": (32, 32, 8, 2), "dq": (32, 32, 8, 2)}[kind]
+    elif head_dim <= 64:
+        m, n, w, s = {"forward": (128, 64, 4, 3), "dkdv": (32, 128, 8, 3), "dq": (128, 32, 8, 3)}[kind]
+    else:
+        m, n, w, s = {"forward": (128, 64, 8, 2), "dkdv": (32, 64, 8, 3), "dq": (64, 32, 4, 3)}[kind]
+    return {"BLOCK_M": m, "BLOCK_N": n, "num_warps": w, "num_stages": s}
+
+
+def _prune(kind: str):
+    """Drop configs that break the tile-alignment rule or are far larger than the problem."""
+
+    def prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
+        nq, nk = named_args["Nq"], named_args["Nk"]
+        kept = []
+        for c in configs:
+            m, n = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]
+            aligned = (n % m == 0) if kind == "dkdv" else (m % n == 0)
+            small_enough = m <= max(16, triton.next_power_of_2(nq)) and n <= max(16, triton.next_power_of_2(nk))
+            if aligned and small_enough:
+                kept.append(c)
+        return kept or configs[-1:]
+
+    return prune
+
+
+class Launcher:
+    """``launcher[grid](*args, **kwargs)`` launches a kernel with its tile sizes chosen for you:
+
+    * interpreted: the fixed :data:`INTERPRETER_BLOCKS`;
+    * compiled, bf16/fp16, :data:`AUTOTUNE` on: ``@triton.autotune`` over :data:`GPU_CONFIGS`, keyed on
+      the problem shape and the causal flag (Triton adds the argument dtypes), so each new shape is tuned
+      once; every kernel here writes its outputs without accumulating into them, so the repeated
+      benchmark launches of autotuning are harmless;
+    * otherwise: :func:`fixed_config`.
+
+    ``grid`` must be a function of the launch meta-parameters, e.g.
+    ``lambda meta: (triton.cdiv(Nq, meta["BLOCK_M"]), BH)``, because the tile size is only known here.
+    The first positional argument must be a tensor (its dtype picks the config); ``HEAD_DIM`` a keyword.
+    """
+
+    def __init__(self, kernel, kind: str):
+        self.kernel, self.kind = kernel, kind
+        self.tuned = None
+        if not triton_interpreted() and torch.cuda.is_available():
+            self.tuned = triton.autotune(configs=GPU_CONFIGS[kind], key=["Nq", "Nk", "HEAD_DIM", "IS_CAUSAL"],
+                                         prune_configs_by={"early_config_prune": _prune(kind)})(kernel)
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            if triton_interpreted():
+                return self.kernel[grid](*args, **INTERPRETER_BLOCKS[self.kind], **kwargs)
+            dtype = args[0].dtype
+            if self.tuned is not None and AUTOTUNE and dtype != torch.float32:
+                return self.tuned[grid](*args, **kwargs)
+            return self.kernel[grid](*args, **fixed_config(self.kind, dtype, kwargs["HEAD_DIM"]), **kwargs)
+
+        return launch
+
+
+def configure(kernel, kind: str) -> Launcher:
+    """``kernel`` ready to launch as ``configure(kernel, kind)[grid](...)`` without tile sizes (see
+    :class:`Launcher`); ``kind`` is ``"forward"``, ``"dkdv"`` or ``"dq"``."""
+    return Launcher(kernel, kind)
+
+
+def upcast_in_kernel(dtype: torch.dtype) -> bool:
+    """Whether kernels must upcast loaded tiles to fp32: only bf16 under the interpreter."""
+    return triton_interpreted() and dtype == torch.bfloat16
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """``input_precision`` for ``tl.dot``: exact ``"ieee"`` for fp32 inputs; fp16/bf16 ignore it."""
+    return "ieee" if dtype == torch.float32 or upcast_in_kernel(dtype) else "tf32"
+
+
+def check_triton_device(q: torch.Tensor) -> None:
+    """Compiled kernels need CUDA tensors; the interpreter runs on CPU tensors."""
+    if not triton_interpreted() and q.device.type != "cuda":
+        raise ValueError(f"FlashAttentionTriton needs CUDA tensors (q is on {q.device}); on a machine without "
+                         "a GPU, `import kit` before triton so that TRITON_INTERPRET=1 runs the kernels on the CPU")

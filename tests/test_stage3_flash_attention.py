@@ -1,0 +1,425 @@
+"""Stage 3 — FlashAttention-2 in PyTorch and Triton (handout/03-flash-attention.md).
+
+Every output is compared with attention computed in float64 from the same (rounded) inputs. For fp16
+and bf16 the rule is the flash-attention project's: the error against float64 may be at most twice
+(plus a small floor) the error of plain PyTorch attention run in that same low precision — a kernel
+is as accurate as the obvious implementation. fp32 must agree to 1e-4.
+
+On a machine without CUDA the Triton kernels run in the Triton interpreter, so shapes are small; the
+``gpu`` checks at the bottom run the compiled kernels at larger sizes where a GPU exists.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import kit  # noqa: F401 — before triton: the interpreter on machines without CUDA
+from kit.model import TransformerLM, naive_attention
+from kit.testing import assert_close, assert_equal
+
+pytestmark = [
+    pytest.mark.stage3,
+    # triton 3.6's interpreter converts 1-element arrays with int(); numpy warns on every loop bound.
+    pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning"),
+]
+
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+# (q shape, k/v shape): (B, N, D) with Nq < Nk, and (B, H, N, D) with Nq > Nk; lengths are not
+# multiples of any tile size.
+SHAPES = [((2, 97, 32), (2, 131, 32)), ((1, 2, 131, 16), (1, 2, 97, 16))]
+FLOOR = {torch.float16: 1e-4, torch.bfloat16: 1e-3}
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def make_inputs(q_shape, kv_shape, dtype, device=DEVICE, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(s, generator=g).to(device=device, dtype=dtype) for s in (q_shape, kv_shape, kv_shape))
+    do = torch.randn(q_shape, generator=g).to(device=device, dtype=dtype)
+    return q, k, v, do
+
+
+def attention_float64(q, k, v, is_causal):
+    """softmax(q kᵀ/√D) v and the log-sum-exp L, in float64, with gradients through autograd."""
+    q, k, v = (t.detach().double().requires_grad_() for t in (q, k, v))
+    s = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    if is_causal:
+        keep = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril()
+        s = s.masked_fill(~keep, float("-inf"))
+    return torch.softmax(s, dim=-1) @ v, torch.logsumexp(s, dim=-1), (q, k, v)
+
+
+def run(fn, q, k, v, do, is_causal, backward):
+    """Output, saved tensors and (optionally) input gradients of ``fn.apply``."""
+    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+    o = fn.apply(q, k, v, is_causal)
+    saved = o.grad_fn.saved_tensors if o.grad_fn is not None else ()
+    if backward:
+        o.backward(do)
+    return o.detach(), saved, (q.grad, k.grad, v.grad)
+
+
+def check_forward(fn, dtype, is_causal):
+    for q_shape, kv_shape in SHAPES:
+        q, k, v, do = make_inputs(q_shape, kv_shape, dtype)
+        o, saved, _ = run(fn, q, k, v, do, is_causal, backward=False)
+        o64, L64, _ = attention_float64(q, k, v, is_causal)
+        where = f"{fn.__name__} {dtype} causal={is_causal} q {q_shape} k/v {kv_shape}"
+        assert_equal(o.dtype, dtype, name=f"output dtype ({where})", section="handout 03 §2")
+        assert_close(o, o64, name=f"O ({where})", section="handout 03 §1–§2", **tolerance(q, k, v, is_causal, "o"))
+        L = saved_logsumexp(saved, q_shape, where)
+        assert_close(L, L64, name=f"L = logsumexp of the scaled scores ({where})", section="handout 03 §2",
+                     rtol=1e-4, atol=1e-4 if dtype == torch.float32 else 1e-3)
+
+
+def check_backward(fn, dtype, is_causal):
+    for q_shape, kv_shape in SHAPES:
+        q, k, v, do = make_inputs(q_shape, kv_shape, dtype)
+        _, _, grads = run(fn, q, k, v, do, is_causal, backward=True)
+        o64, _, leaves = attention_float64(q, k, v, is_causal)
+        o64.backward(do.double())
+        where = f"{fn.__name__} {dtype} causal={is_causal} q {q_shape} k/v {kv_shape}"
+        for name, grad, leaf in zip(("dQ", "dK", "dV"), grads, leaves):
+            assert grad is not None, f"{name} is None ({where}): backward must return gradients for q, k, v"
+            assert_equal(grad.dtype, dtype, name=f"{name} dtype ({where})", section="handout 03 §3")
+            assert_close(grad, leaf.grad, name=f"{name} ({where})", section="handout 03 §3",
+                         **tolerance(q, k, v, is_causal, name, do))
+
+
+def tolerance(q, k, v, is_causal, quantity, do=None) -> dict:
+    """fp32: 1e-4. fp16/bf16: 2 × the error of naive attention in the same dtype, plus a floor."""
+    if q.dtype == torch.float32:
+        return {"rtol": 1e-4, "atol": 1e-4}
+    lq, lk, lv = (t.clone().requires_grad_() for t in (q, k, v))
+    o_low = naive_attention(lq, lk, lv, is_causal)
+    o64, _, leaves = attention_float64(q, k, v, is_causal)
+    if quantity == "o":
+        err = (o_low.double() - o64).abs().max().item()
+    else:
+        o_low.backward(do)
+        o64.backward(do.double())
+        low = {"dQ": lq.grad, "dK": lk.grad, "dV": lv.grad}[quantity]
+        ref = {"dQ": leaves[0].grad, "dK": leaves[1].grad, "dV": leaves[2].grad}[quantity]
+        err = (low.double() - ref).abs().max().item()
+    return {"rtol": 0.0, "atol": 2 * err + FLOOR[q.dtype]}
+
+
+def saved_logsumexp(saved, q_shape, where):
+    lse_shape = tuple(q_shape[:-1])
+    matches = [t for t in saved if tuple(t.shape) == lse_shape]
+    assert len(matches) == 1, (
+        f"{where}: expected exactly one saved tensor of shape {lse_shape} (the log-sum-exp L), found "
+        f"{len(matches)} among saved shapes {[tuple(t.shape) for t in saved]}. See handout 03 §2.")
+    return matches[0]
+
+
+def check_saved_tensors(fn):
+    q_shape, kv_shape = (2, 3, 40, 16), (2, 3, 72, 16)
+    for is_causal in (False, True):
+        q, k, v, do = make_inputs(q_shape, kv_shape, torch.float32)
+        o, saved, _ = run(fn, q, k, v, do, is_causal, backward=False)
+        where = f"{fn.__name__} causal={is_causal}"
+        shapes = sorted(tuple(t.shape) for t in saved)
+        expected = sorted([q_shape, kv_shape, kv_shape, q_shape, q_shape[:-1]])
+        assert_equal(shapes, expected, name=f"shapes of the saved tensors, expected q, k, v, o and L ({where})",
+                     section="handout 03 §2")
+        for name, t in (("q", q), ("k", k), ("v", v), ("o", o)):
+            assert any(s.shape == t.shape and torch.equal(s.detach(), t) for s in saved), (
+                f"{where}: {name} is not among the saved tensors. See handout 03 §3.")
+        _, L64, _ = attention_float64(q, k, v, is_causal)
+        assert_close(saved_logsumexp(saved, q_shape, where), L64, name=f"saved L ({where})", section="handout 03 §2",
+                     rtol=1e-4, atol=1e-4)
+
+
+# ------------------------------------------------------------------------------------ PyTorch (§1–§4)
+
+
+@pytest.mark.points(1)
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
+def test_pytorch_forward_matches_float64(impl, dtype, is_causal):
+    """FlashAttentionPytorch forward: O and L match float64 attention."""
+    check_forward(impl.flash_attention.FlashAttentionPytorch, dtype, is_causal)
+
+
+@pytest.mark.points(2)
+def test_pytorch_saves_only_q_k_v_o_and_logsumexp(impl):
+    """FlashAttentionPytorch saves exactly q, k, v, o and L (..., Nq)."""
+    check_saved_tensors(impl.flash_attention.FlashAttentionPytorch)
+
+
+def largest_tensor_created(fn) -> tuple[int, str]:
+    """The element count of the largest tensor any aten operation creates while ``fn()`` runs, and the op."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class LargestTensor(TorchDispatchMode):
+        largest, op = 0, None
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor) and t.numel() > self.largest:
+                    self.largest, self.op = t.numel(), str(func)
+            return out
+
+    mode = LargestTensor()
+    with mode:
+        fn()
+    return mode.largest, mode.op
+
+
+def check_no_score_matrix(fa, backward: bool) -> None:
+    n, d = 256, 16  # the score matrix has n² = 65,536 elements; a 64 × 64 tile has 4,096
+    q, k, v, do = make_inputs((1, n, d), (1, n, d), torch.float32)
+    q.requires_grad_()
+    for is_causal in (False, True):
+        if backward:
+            step = functools.partial(fa.FlashAttentionPytorch.apply(q, k, v, is_causal).backward, do)
+        else:
+            step = functools.partial(fa.FlashAttentionPytorch.apply, q, k, v, is_causal)
+        largest, op = largest_tensor_created(step)
+        assert largest <= n * n // 4, (
+            f"{'backward' if backward else 'forward'}, causal={is_causal}: an operation ({op}) created a tensor "
+            f"of {largest} elements — the full score matrix has {n * n}. Work on tiles of Q_TILE × K_TILE "
+            f"scores instead (handout 03 §2{', §3' if backward else ''}).")
+
+
+@pytest.mark.points(2)
+def test_pytorch_never_materialises_the_score_matrix(impl):
+    """The forward never creates a tensor the size of the Nq × Nk score matrix."""
+    check_no_score_matrix(impl.flash_attention, backward=False)
+
+
+@pytest.mark.points(1)
+def test_pytorch_backward_never_materialises_the_score_matrix(impl):
+    """The backward recomputes P tile by tile: no tensor the size of the score matrix."""
+    check_no_score_matrix(impl.flash_attention, backward=True)
+
+
+@pytest.mark.points(1)
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
+def test_pytorch_backward_matches_float64(impl, dtype, is_causal):
+    """FlashAttentionPytorch backward: dQ, dK, dV match float64 autograd."""
+    check_backward(impl.flash_attention.FlashAttentionPytorch, dtype, is_causal)
+
+
+# ------------------------------------------------------------------------------------ Triton (§5–§6)
+
+
+@pytest.mark.points(1)
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
+def test_triton_forward_matches_float64(impl, dtype, is_causal):
+    """FlashAttentionTriton forward kernel: O and L match float64 attention."""
+    check_forward(impl.flash_attention.FlashAttentionTriton, dtype, is_causal)
+
+
+@pytest.mark.points(2)
+def test_triton_saves_only_q_k_v_o_and_logsumexp(impl):
+    """FlashAttentionTriton saves exactly q, k, v, o and L (..., Nq)."""
+    check_saved_tensors(impl.flash_attention.FlashAttentionTriton)
+
+
+@pytest.mark.points(2)
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
+def test_triton_backward_matches_float64(impl, dtype, is_causal):
+    """FlashAttentionTriton backward kernels: dQ, dK, dV match float64 autograd."""
+    check_backward(impl.flash_attention.FlashAttentionTriton, dtype, is_causal)
+
+
+@pytest.mark.points(2)
+def test_triton_backward_is_deterministic(impl, monkeypatch):
+    """Two backward passes give bitwise-equal gradients, and no atomic read-modify-write is used."""
+    atomics = []
+    if kit.triton_interpreted():
+        # Under the interpreter programs run one after another, so an atomic reduction would still be
+        # reproducible here; record atomics instead — on a GPU they make the summation order random.
+        from triton.runtime.interpreter import InterpreterBuilder
+
+        for name in ("create_atomic_rmw", "create_atomic_cas"):
+            original = getattr(InterpreterBuilder, name)
+
+            def recording(self, *args, _original=original, _name=name, **kwargs):
+                atomics.append(_name)
+                return _original(self, *args, **kwargs)
+
+            monkeypatch.setattr(InterpreterBuilder, name, recording)
+    fn = impl.flash_attention.FlashAttentionTriton
+    q, k, v, do = make_inputs((2, 2, 100, 32), (2, 2, 100, 32), torch.float16)
+    _, _, first = run(fn, q, k, v, do, True, backward=True)
+    _, _, second = run(fn, q, k, v, do, True, backward=True)
+    for name, a, b in zip(("dQ", "dK", "dV"), first, second):
+        assert torch.equal(a, b), (f"{name} differs between two identical backward passes (max |diff| "
+                                   f"{(a.float() - b.float()).abs().max().item():.3g}). See handout 03 §6.")
+    assert not atomics, (f"the backward used atomic operations ({sorted(set(atomics))}): their summation order "
+                         "varies from run to run on a GPU. Give each program its own rows of dQ, dK, dV "
+                         "(handout 03 §6).")
+
+
+# The interpreter runs kernel bodies as Python, so it accepts code the Triton compiler rejects (Python
+# lists, raise, data-dependent Python control flow…). This compiles every kernel for a Hopper GPU
+# (sm_90, bf16, causal, D = 64) in a child process with the interpreter off — no GPU needed.
+COMPILE_SCRIPT = r"""
+import importlib, os, sys
+os.environ["TRITON_INTERPRET"] = "0"
+import kit  # noqa: F401
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+pkg = sys.argv[1]
+fwd = importlib.import_module(pkg + ".flash_attention.triton_forward")
+bwd = importlib.import_module(pkg + ".flash_attention.triton_backward")
+POINTERS = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "O": "*bf16", "DO": "*bf16", "DQ": "*bf16", "DK": "*bf16",
+            "DV": "*bf16", "L": "*fp32", "Delta": "*fp32"}
+kernels = [
+    (fwd.flash_fwd_kernel, dict(BLOCK_M=128, BLOCK_N=64), 4),
+    (bwd.flash_bwd_preprocess_kernel, dict(BLOCK_M=64), 4),
+    (bwd.flash_bwd_dkdv_kernel, dict(BLOCK_M=32, BLOCK_N=128), 8),
+    (bwd.flash_bwd_dq_kernel, dict(BLOCK_M=128, BLOCK_N=32), 8),
+]
+for kernel, blocks, warps in kernels:
+    constexprs = dict(HEAD_DIM=64, IS_CAUSAL=True, UPCAST=False, DOT_PRECISION="tf32", **blocks)
+    signature, constants = {}, {}
+    for i, p in enumerate(kernel.params):
+        name = p.name
+        if p.is_constexpr:
+            signature[name] = "constexpr"
+            constants[(i,)] = constexprs[name]
+        elif name in POINTERS:
+            signature[name] = POINTERS[name]
+        elif name.endswith("_scale"):
+            signature[name] = "fp32"
+        else:
+            signature[name] = "i32"
+    triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constants),
+                   target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": 3})
+    print("compiled", kernel.__name__, flush=True)
+"""
+
+
+@pytest.mark.points(2)
+def test_triton_kernels_compile_for_a_gpu(impl, tmp_path):
+    """Every kernel compiles for a Hopper GPU (sm_90) with the interpreter off — no GPU needed."""
+    fn = impl.flash_attention.FlashAttentionTriton
+    q, k, v, do = make_inputs((1, 40, 16), (1, 40, 16), torch.float32)
+    run(fn, q, k, v, do, True, backward=True)  # the kernels must at least run in this process first
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path / "triton-cache"),
+           "PYTHONPATH": str(root) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT, impl.package], env=env, cwd=root,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, (
+        "a kernel runs in the interpreter but does not compile for a GPU; the compiler says:\n"
+        + (proc.stdout + proc.stderr)[-3000:]
+        + "\nOnly Triton constructs may appear in a @triton.jit body (handout 03 §5).")
+
+
+# ------------------------------------------------------------------------------------ using it (§8)
+
+
+@pytest.mark.points(3)
+def test_flash_attention_trains_the_transformer(impl):
+    """flash_attention_fn is a drop-in for TransformerLM: same logits and gradients as naive attention."""
+    fa = impl.flash_attention
+    torch.manual_seed(0)
+    naive_model = TransformerLM("tiny").to(DEVICE)
+    flash_model = TransformerLM("tiny", attention_fn=fa.flash_attention_fn).to(DEVICE)
+    flash_model.load_state_dict(naive_model.state_dict())
+    tokens = torch.randint(0, naive_model.config.vocab_size, (1, 40), device=DEVICE)
+    logits = []
+    for model in (naive_model, flash_model):
+        logits.append(model(tokens))
+        logits[-1].float().square().mean().backward()
+    assert_close(logits[1], logits[0], name="logits with flash_attention_fn", section="handout 03 §8",
+                 rtol=1e-4, atol=1e-4)
+    for (name, p_flash), p_naive in zip(flash_model.named_parameters(), naive_model.parameters()):
+        assert_close(p_flash.grad, p_naive.grad, name=f"gradient of {name} with flash_attention_fn",
+                     section="handout 03 §8", rtol=1e-3, atol=1e-5)
+    # The convenience function routes to either implementation.
+    q, k, v, _ = make_inputs((1, 33, 16), (1, 45, 16), torch.float32)
+    o64, _, _ = attention_float64(q, k, v, True)
+    for backend in ("pytorch", "triton"):
+        assert_close(fa.flash_attention(q, k, v, is_causal=True, backend=backend), o64,
+                     name=f"flash_attention(backend={backend!r})", section="handout 03 §8", rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.points(2)
+def test_bad_inputs_raise_clear_errors(impl):
+    """Bad input gives a TypeError/ValueError that names what is wrong (after good input works)."""
+    fa = impl.flash_attention
+    q, k, v, _ = make_inputs((2, 20, 16), (2, 24, 16), torch.float32)
+    for fn in (fa.FlashAttentionPytorch, fa.FlashAttentionTriton):
+        o = fn.apply(q, k, v, False)
+        assert o.shape == q.shape, f"{fn.__name__} output shape {tuple(o.shape)}, expected {tuple(q.shape)}"
+        bad = {
+            "integer dtype": ((q.to(torch.int32), k, v), TypeError, "q must be float32"),
+            "mixed dtypes": ((q, k.half(), v), TypeError, "dtype"),
+            "head dims differ": ((q, torch.randn(2, 24, 32), v), ValueError, "head dimension"),
+            "batch dims differ": ((q, k[:1], v[:1]), ValueError, "leading"),
+            "k and v lengths differ": ((q, k, v[:, :5]), ValueError, "keys"),
+            "devices differ": ((q, k.to("meta"), v), ValueError, "device"),
+        }
+        if fn is fa.FlashAttentionTriton:
+            bad["unsupported head dim"] = ((q[..., :12], k[..., :12], v[..., :12]), ValueError, "head dimension")
+        for case, (args, error, phrase) in bad.items():
+            with pytest.raises(error, match=phrase):
+                fn.apply(*args, False)
+            print(f"{fn.__name__}: {case} → {error.__name__}")
+    with pytest.raises(ValueError, match="backend"):
+        fa.flash_attention(q, k, v, backend="cuda")
+
+
+# ------------------------------------------------------------------------------------ GPU checks (no points)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [16, 32, 64, 128])
+@pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
+def test_gpu_compiled_kernels_match_float64(impl, dtype, head_dim, monkeypatch):
+    """Compiled Triton kernels at larger, odd sizes, every dtype and head dim, causal and not."""
+    # The fixed launch configs: autotuning every variant here would compile hundreds of kernels.
+    monkeypatch.setattr(impl.flash_attention.triton_config, "AUTOTUNE", False)
+    fn = impl.flash_attention.FlashAttentionTriton
+    for is_causal in (False, True):
+        for q_shape, kv_shape in [((2, 4, 1000, head_dim), (2, 4, 1000, head_dim)),
+                                  ((3, 517, head_dim), (3, 1531, head_dim))]:
+            q, k, v, do = make_inputs(q_shape, kv_shape, dtype, device="cuda")
+            o, saved, grads = run(fn, q, k, v, do, is_causal, backward=True)
+            o64, L64, leaves = attention_float64(q, k, v, is_causal)
+            o64.backward(do.double())
+            where = f"GPU {dtype} D={head_dim} causal={is_causal} q {q_shape} k/v {kv_shape}"
+            assert_close(o, o64, name=f"O ({where})", section="handout 03 §5", **tolerance(q, k, v, is_causal, "o"))
+            assert_close(saved_logsumexp(saved, q_shape, where), L64, name=f"L ({where})", section="handout 03 §5",
+                         rtol=1e-4, atol=1e-3)
+            for name, grad, leaf in zip(("dQ", "dK", "dV"), grads, leaves):
+                assert_close(grad, leaf.grad, name=f"{name} ({where})", section="handout 03 §6",
+                             **tolerance(q, k, v, is_causal, name, do))
+
+
+@pytest.mark.gpu
+def test_gpu_autotuned_kernels_are_right_and_deterministic(impl):
+    """Autotuned kernels (bf16): correct, and the backward bitwise reproducible with programs really
+    running concurrently."""
+    fn = impl.flash_attention.FlashAttentionTriton
+    q, k, v, do = make_inputs((2, 8, 2048, 64), (2, 8, 2048, 64), torch.bfloat16, device="cuda")
+    o, _, first = run(fn, q, k, v, do, True, backward=True)
+    o64, _, leaves = attention_float64(q, k, v, True)
+    o64.backward(do.double())
+    assert_close(o, o64, name="O (autotuned)", section="handout 03 §5", **tolerance(q, k, v, True, "o"))
+    for name, grad, leaf in zip(("dQ", "dK", "dV"), first, leaves):
+        assert_close(grad, leaf.grad, name=f"{name} (autotuned)", section="handout 03 §6",
+                     **tolerance(q, k, v, True, name, do))
+    for _ in range(3):
+        _, _, again = run(fn, q, k, v, do, True, backward=True)
+        for name, a, b in zip(("dQ", "dK", "dV"), first, again):
+            assert torch.equal(a, b), f"{name} differs between identical backward passes. See handout 03 §6."
