@@ -190,11 +190,11 @@ def checkpoint_section() -> dict[str, Any] | None:
     return {"model": model.state_dict(), "optimizer": state_dict} if dist.get_rank() == 0 else None
 
 
-def resume_section(checkpoint: dict[str, Any] | None) -> dict[str, Any]:
+def resume_section(checkpoint: dict[str, Any] | None, why_missing: str = "") -> dict[str, Any]:
     """Load the 2-rank checkpoint at this world size and train the remaining steps."""
     if checkpoint is None:
-        raise RuntimeError("no checkpoint: the 2-rank run did not save one "
-                           "(see test_state_dict_consolidated_on_rank0)")
+        raise RuntimeError("no checkpoint: the 2-rank run did not save one (see "
+                           f"test_state_dict_consolidated_on_rank0). It failed with:\n{why_missing}")
     impl = kit.impl.load()
     model = make_model("transformer")
     model.load_state_dict(checkpoint["model"])
@@ -217,11 +217,11 @@ def two_rank_checks() -> bytes:
     })
 
 
-def three_rank_checks(checkpoint: dict[str, Any] | None) -> bytes:
+def three_rank_checks(checkpoint: dict[str, Any] | None, why_missing: str = "") -> bytes:
     return run_sections({
         "transformer": lambda: equivalence_section("transformer"),
         "balance": balance_section,
-        "resume": lambda: resume_section(checkpoint),
+        "resume": lambda: resume_section(checkpoint, why_missing),
     })
 
 
@@ -286,10 +286,11 @@ def two_ranks() -> list[dict[str, Any]]:
 
 def three_ranks() -> list[dict[str, Any]]:
     try:
-        saved = section(two_ranks(), "checkpoint")[0]
-    except Exception:
-        saved = None  # resume_section explains; the other 3-rank checks still run
-    return _spawn("three", three_rank_checks, 3, args=(saved,))
+        saved, why = section(two_ranks(), "checkpoint")[0], ""
+    except Exception as exc:
+        # resume_section explains, quoting the cause (e.g. NotImplementedError); the other checks still run.
+        saved, why = None, str(exc)[-2000:]
+    return _spawn("three", three_rank_checks, 3, args=(saved, why))
 
 
 def section(results: list[dict[str, Any]], name: str) -> list[Any]:
