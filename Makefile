@@ -11,7 +11,7 @@ STAMP := $(VENV)/.setup-stamp$(if $(GPU),-gpu)
 HAVE_REFERENCE := $(wildcard reference/__init__.py)
 export PYTHONDONTWRITEBYTECODE := 1
 
-.PHONY: help setup grade test test-reference test-kit lint student check-student release autograder check-handout \
+.PHONY: help setup grade test test-reference test-kit lint student check-student release autograder check-handout soak \
         notebooks bench doctor clean
 
 help: ## list the targets
@@ -54,6 +54,14 @@ release: setup ## build dist/student-release/ (no reference, no hidden tests)
 
 autograder: setup ## build dist/autograder.zip for Gradescope (kit + public and hidden tests, no reference)
 	$(PY) -m kit autograder
+
+RUNS ?= 20
+soak: setup ## run the graded reference suite RUNS times in a row; stops at the first failure (flakiness check)
+	@for i in $$(seq $(RUNS)); do \
+	    echo "== run $$i of $(RUNS) ($$(date +%T))"; \
+	    $(PY) -m pytest tests --impl reference -q -p no:cacheprovider \
+	        -m "stage1 or stage2 or stage3 or stage4 or stage5 or stage6" || { echo "run $$i failed"; exit 1; }; \
+	done; echo "$(RUNS) consecutive green runs of the graded reference suite"
 
 check-handout: setup ## check that the handout, the tests and the points agree
 	$(PY) -m kit check-handout

@@ -16,6 +16,9 @@ import argparse
 import sys
 from pathlib import Path
 
+# Run as `python benchmarks/<name>.py`: the kit lives one folder up.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
 import torch
 from tqdm import tqdm
 

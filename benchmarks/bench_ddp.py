@@ -24,6 +24,9 @@ import sys
 import time
 from pathlib import Path
 
+# Run as `python benchmarks/<name>.py`: the kit lives one folder up.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
 import torch
 import torch.distributed as dist
 from torch import nn

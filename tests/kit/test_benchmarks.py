@@ -16,7 +16,8 @@ BENCHMARKS = sorted((ROOT / "benchmarks").glob("bench_*.py"))
 
 @pytest.mark.parametrize("script", BENCHMARKS, ids=[p.stem for p in BENCHMARKS])
 def test_benchmark_smoke(script: Path, tmp_path: Path) -> None:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "MPLBACKEND": "Agg"}
+    # No PYTHONPATH: a benchmark must run as `python benchmarks/<name>.py` from a fresh shell.
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"MPLBACKEND": "Agg"}
     proc = subprocess.run([sys.executable, str(script), "--smoke", "--out", str(tmp_path)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"{script.name} --smoke failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
