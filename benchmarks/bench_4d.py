@@ -13,7 +13,6 @@ run alone on that axis's group and are timed, so each axis's cost is seen withou
 from __future__ import annotations
 
 import argparse
-import pickle
 import statistics
 import sys
 import time
@@ -88,7 +87,7 @@ def _axis_times(mesh, cfg, stage: int, impl) -> dict[str, float]:
     return times
 
 
-def _rank(shapes: list[tuple[int, int, int, int]], steps: int, model_kwargs: dict, global_batch: int) -> bytes:
+def _rank(shapes: list[tuple[int, int, int, int]], steps: int, model_kwargs: dict, global_batch: int) -> list[dict]:
     import torch.distributed as dist
 
     import kit.impl
@@ -113,7 +112,7 @@ def _rank(shapes: list[tuple[int, int, int, int]], steps: int, model_kwargs: dic
                      "comm_s": comm,
                      "bytes": {a: sum(n for (ax, _), n in volume.items() if ax == a) for a, _ in volume},
                      "loss": out["losses"][-1]})
-    return pickle.dumps(rows)
+    return rows
 
 
 def main() -> None:
@@ -128,9 +127,9 @@ def main() -> None:
         world, shapes, steps = 8, FULL, 4
         model = dict(vocab_size=512, context_length=64, d_model=128, d_ff=256, num_layers=4, num_heads=8)
     bar = tqdm(total=1, desc=f"{len(shapes)} mesh shapes on {world} ranks (one spawn)")
-    per_rank = [pickle.loads(r) for r in run_on_ranks(_rank, world, args=(shapes, steps, model, 4 * world),
+    per_rank = run_on_ranks(_rank, world, args=(shapes, steps, model, 4 * world),
                                                       timeout=600,
-                                                      backend="gloo")]
+                                                      backend="gloo")
     bar.update()
     bar.close()
     rows = []

@@ -11,7 +11,6 @@ stages the stages also compete for cores, so expect the measurement to sit above
 from __future__ import annotations
 
 import argparse
-import pickle
 import sys
 from pathlib import Path
 
@@ -24,7 +23,7 @@ from kit.results import RESULTS_DIR, save_results  # noqa: E402
 from kit.spawn import run_on_ranks  # noqa: E402
 
 
-def _rank(p: int, ms: list[int], d_model: int, seq: int, mbs: int, iters: int) -> bytes:
+def _rank(p: int, ms: list[int], d_model: int, seq: int, mbs: int, iters: int) -> list[dict]:
     import torch
     import torch.distributed as dist
 
@@ -54,7 +53,7 @@ def _rank(p: int, ms: list[int], d_model: int, seq: int, mbs: int, iters: int) -
             rows.append({"schedule": kind, "m": m, "stage": dist.get_rank(), "busy_s": busy, "total_s": total,
                          "peak_act_MiB": results[-1].peak_activation_bytes / 2**20,
                          "in_flight": results[-1].peak_in_flight})
-    return pickle.dumps(rows)
+    return rows
 
 
 def main() -> None:
@@ -71,8 +70,7 @@ def main() -> None:
         depths, ms, d_model, seq, mbs, iters = [2, 4], [1, 2, 4, 8], 128, 64, 4, 3
     rows = []
     for p in tqdm(depths, desc="pipeline depth"):
-        per_rank = [pickle.loads(r) for r in run_on_ranks(_rank, p, args=(p, ms, d_model, seq, mbs, iters),
-                                                          timeout=600, backend="gloo")]
+        per_rank = run_on_ranks(_rank, p, args=(p, ms, d_model, seq, mbs, iters), timeout=600, backend="gloo")
         for kind in ("gpipe", "1f1b"):
             for m in ms:
                 stages = [next(r for r in rank_rows if r["schedule"] == kind and r["m"] == m) for rank_rows in per_rank]

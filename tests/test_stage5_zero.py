@@ -11,7 +11,6 @@ fails only the tests that read it.
 
 from __future__ import annotations
 
-import pickle
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -95,15 +94,15 @@ def snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def run_sections(sections: dict[str, Callable[[], Any]]) -> bytes:
-    """Run each check; keep its value or its traceback. Pickled by value (tensors too) for the parent."""
+def run_sections(sections: dict[str, Callable[[], Any]]) -> dict[str, tuple[str, Any]]:
+    """Run each check; keep its value or its traceback (run_on_ranks returns it to the parent by value)."""
     out: dict[str, tuple[str, Any]] = {}
     for name, fn in sections.items():
         try:
             out[name] = ("ok", fn())
         except Exception:  # a NotImplementedError fails this section only
             out[name] = ("error", traceback.format_exc())
-    return pickle.dumps(out)
+    return out
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -207,7 +206,7 @@ def resume_section(checkpoint: dict[str, Any] | None, why_missing: str = "") -> 
     return {"params": snapshot(model), "reference": snapshot(reference), "loaded_state_names": loaded_names}
 
 
-def two_rank_checks() -> bytes:
+def two_rank_checks() -> dict[str, tuple[str, Any]]:
     return run_sections({
         "toy": lambda: equivalence_section("toy"),
         "transformer": lambda: equivalence_section("transformer"),
@@ -217,7 +216,7 @@ def two_rank_checks() -> bytes:
     })
 
 
-def three_rank_checks(checkpoint: dict[str, Any] | None, why_missing: str = "") -> bytes:
+def three_rank_checks(checkpoint: dict[str, Any] | None, why_missing: str = "") -> dict[str, tuple[str, Any]]:
     return run_sections({
         "transformer": lambda: equivalence_section("transformer"),
         "balance": balance_section,
@@ -225,7 +224,7 @@ def three_rank_checks(checkpoint: dict[str, Any] | None, why_missing: str = "") 
     })
 
 
-def ddp_checks() -> bytes:
+def ddp_checks() -> dict[str, tuple[str, Any]]:
     """Stage 4's DDP averages the gradients of each rank's half of the batch; ZeRO shards the state."""
 
     def train_ddp(cls_name: str, kwargs: dict[str, Any], sharded: bool) -> tuple[nn.Module, Any]:
@@ -267,12 +266,12 @@ def ddp_checks() -> bytes:
 _RUNS: dict[str, Any] = {}
 
 
-def _spawn(key: str, fn: Callable[..., bytes], world_size: int, args: tuple = ()) -> list[dict[str, Any]]:
+def _spawn(key: str, fn: Callable[..., dict], world_size: int, args: tuple = ()) -> list[dict[str, Any]]:
     """Run ``fn`` on ``world_size`` gloo ranks once; later calls reuse the result (or the error)."""
     if key not in _RUNS:
         try:
             raw = run_on_ranks(fn, world_size, args=args, timeout=TIMEOUT, backend="gloo")
-            _RUNS[key] = [pickle.loads(r) for r in raw]
+            _RUNS[key] = raw
         except Exception as exc:  # a crash or a hang: every test of this spawn reports it
             _RUNS[key] = exc
     if isinstance(_RUNS[key], Exception):

@@ -9,7 +9,6 @@ routing groups) runs here, in the test process.
 
 from __future__ import annotations
 
-import pickle
 import traceback
 
 import pytest
@@ -93,7 +92,7 @@ def _check(results: dict, name: str, fn) -> None:
         results[name] = ("error", traceback.format_exc())
 
 
-def _mesh_rank_fn() -> bytes:
+def _mesh_rank_fn() -> dict:
     import kit.impl
 
     impl = kit.impl.load()
@@ -102,13 +101,13 @@ def _mesh_rank_fn() -> bytes:
         _check(results, f"mesh_{name}", lambda degrees=degrees: _mesh_check(impl.parallel.mesh, degrees))
     for name, kwargs in TRAIN.items():
         _check(results, f"train_{name}", lambda kwargs=kwargs: _train_check(impl, kwargs))
-    return pickle.dumps(results)  # by value: see test_stage6_parallel_alone
+    return results
 
 
 @pytest.fixture(scope="module")
 def ranks8() -> dict:
     try:
-        ranks = [pickle.loads(r) for r in run_on_ranks(_mesh_rank_fn, 8, timeout=110)]
+        ranks = run_on_ranks(_mesh_rank_fn, 8, timeout=110)
     except Exception as exc:
         return {"__spawn__": exc}
     return {name: [r[name] for r in ranks] for name in ranks[0]}

@@ -7,7 +7,6 @@ wrong. The single-process references are computed here, in the test process, wit
 
 from __future__ import annotations
 
-import pickle
 import traceback
 
 import pytest
@@ -195,14 +194,14 @@ def _alone_rank_fn() -> dict:
     _check(results, "bad_input", lambda: _bad_input_check(impl))
     # Pickled here, by value: tensors sent through the result queue as they are would travel as shared
     # memory handles that vanish when this rank exits.
-    return pickle.dumps(results)
+    return results
 
 
 @pytest.fixture(scope="module")
 def alone() -> dict:
     """Per check: a list of the two ranks' values, or an exception to re-raise in that check's test."""
     try:
-        ranks = [pickle.loads(r) for r in run_on_ranks(_alone_rank_fn, 2, timeout=90)]
+        ranks = run_on_ranks(_alone_rank_fn, 2, timeout=90)
     except Exception as exc:  # a hang or crash of the whole spawn: every test reports it
         return {"__spawn__": exc}
     return {name: [r[name] for r in ranks] for name in ranks[0]}

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import pickle
 import traceback
 
 import pytest
@@ -35,7 +34,7 @@ def _x(rank: int) -> torch.Tensor:
     return torch.randn(5, MOE["d_model"], generator=torch.Generator().manual_seed(20 + rank))
 
 
-def _rank_fn() -> bytes:
+def _rank_fn() -> dict:
     import torch.distributed as dist
 
     import kit.impl
@@ -58,13 +57,13 @@ def _rank_fn() -> bytes:
         out["moe"] = ("ok", {"y": y.detach(), "dropped": moe.dropped_tokens, "x_grad": x.grad})
     except Exception:
         out["moe"] = ("error", traceback.format_exc())
-    return pickle.dumps(out)
+    return out
 
 
 @pytest.fixture(scope="module")
 def hidden_results():
     try:
-        return [pickle.loads(r) for r in run_on_ranks(_rank_fn, 2, timeout=90)]
+        return run_on_ranks(_rank_fn, 2, timeout=90)
     except Exception as exc:
         return exc
 
