@@ -439,12 +439,12 @@ def _first_problem(t: TestResult) -> str:
 
 
 def format_table(result: GradeResult) -> str:
-    lines = [f"Grading {result.submission}", "", f"| Stage | {'Topic':<28} | Tests  | Points      |",
-             f"|-------|{'-' * 30}|--------|-------------|"]
+    lines = [f"Grading {result.submission}", "", f"| Stage | {'Topic':<28} | Tests   | Points      |",
+             f"|-------|{'-' * 30}|---------|-------------|"]
     for stage, (passed, n, pts, max_pts) in result.by_stage().items():
         title = STAGE_TITLES.get(stage, "?")
-        lines.append(f"| {stage:<5} | {title:<28} | {passed:>2}/{n:<3} | {pts:>5g}/{max_pts:<5g} |")
-    lines.append(f"| Total | {'':<28} | {sum(t.status == 'passed' for t in result.tests):>2}/{len(result.tests):<3} "
+        lines.append(f"| {stage:<5} | {title:<28} | {passed:>3}/{n:<3} | {pts:>5g}/{max_pts:<5g} |")
+    lines.append(f"| Total | {'':<28} | {sum(t.status == 'passed' for t in result.tests):>3}/{len(result.tests):<3} "
                  f"| {result.score:>5g}/{result.max_score:<5g} |")
     if result.message:
         lines += ["", f"Note: {result.message}"]
