@@ -27,7 +27,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -590,13 +590,6 @@ def update_gradebook(results: list[GradeResult], path: Path) -> None:
     tmp.replace(path)  # never leave a half-written gradebook
 
 
-def write_gradebook(results: list[GradeResult], path: Path) -> None:
-    """A fresh gradebook of exactly these results."""
-    if path.exists():
-        path.unlink()
-    update_gradebook(results, path)
-
-
 def plot_histogram(gradebook: Path, path: Path) -> None:
     import matplotlib
 
@@ -613,7 +606,3 @@ def plot_histogram(gradebook: Path, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
-
-
-def result_as_dict(result: GradeResult) -> dict:
-    return asdict(result)
