@@ -1,0 +1,93 @@
+"""The one list of stages. Everything that needs to know which stages exist reads it from here.
+
+The grader (titles, marker expressions), the CLI (``--stage`` validation), ``check-handout`` (which
+chapter belongs to which stage), the release builder, the test-suite marker checks (``stageN`` markers
+are registered from this list) and the Makefile (``python -m kit stages``) all use :data:`STAGES`.
+
+Adding a stage is: a reference module, its tests, its handout chapter, its notebook, its benchmark and
+one :class:`Stage` entry below — no edits elsewhere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One stage of the kit.
+
+    Attributes:
+        number: 1, 2, …; the marker is ``stage<number>``.
+        title: short title for score tables and the pytest marker's description.
+        modules: the implementation modules (or packages) this stage adds under ``student/`` and
+            ``reference/``, e.g. ``("ddp", "collectives")``.
+        chapters: handout chapters, relative to ``handout/``; problems ``N.k`` live in them.
+        tests: test files of the stage, relative to ``tests/`` (globs allowed).
+    """
+
+    number: int
+    title: str
+    modules: tuple[str, ...]
+    chapters: tuple[str, ...]
+    tests: tuple[str, ...]
+
+    @property
+    def marker(self) -> str:
+        return f"stage{self.number}"
+
+    def chapter_paths(self, root: Path = ROOT) -> list[Path]:
+        return [root / "handout" / c for c in self.chapters]
+
+    def test_paths(self, root: Path = ROOT) -> list[Path]:
+        return sorted({p for pattern in self.tests for p in (root / "tests").glob(pattern)})
+
+
+STAGES: tuple[Stage, ...] = (
+    Stage(1, "Benchmarking & profiling", ("benchmarking",), ("01-benchmarking.md",),
+          ("test_stage1_*.py", "hidden/test_stage1_*.py")),
+    Stage(2, "Mixed precision", ("precision",), ("02-mixed-precision.md",),
+          ("test_stage2_*.py", "hidden/test_stage2_*.py")),
+    Stage(3, "FlashAttention-2 in Triton", ("flash_attention",), ("03-flash-attention.md",),
+          ("test_stage3_*.py", "hidden/test_stage3_*.py")),
+    Stage(4, "Distributed data parallel", ("ddp", "collectives"), ("04-ddp.md",),
+          ("test_stage4_*.py", "hidden/test_stage4_*.py")),
+    Stage(5, "ZeRO-1 sharding", ("zero",), ("05-zero.md",),
+          ("test_stage5_*.py", "hidden/test_stage5_*.py")),
+    Stage(6, "4D parallelism", ("parallel",), ("06-4d-parallelism.md",),
+          ("test_stage6_*.py", "hidden/test_stage6_*.py")),
+)
+
+
+def numbers(stages: tuple[Stage, ...] = STAGES) -> list[int]:
+    return [s.number for s in stages]
+
+
+def get(number: int, stages: tuple[Stage, ...] = STAGES) -> Stage:
+    """The stage with this number; ``KeyError`` naming the known ones otherwise."""
+    for s in stages:
+        if s.number == number:
+            return s
+    raise KeyError(f"no stage {number}; the stages are {numbers(stages)}")
+
+
+def parse_stage_list(text: str | None, stages: tuple[Stage, ...] = STAGES) -> list[int] | None:
+    """``"1,3"`` → ``[1, 3]``; ``None`` or ``""`` → ``None`` (all stages). ``ValueError`` on anything else."""
+    if not text:
+        return None
+    known = numbers(stages)
+    try:
+        chosen = [int(s) for s in str(text).split(",")]
+    except ValueError:
+        chosen = []
+    if not chosen or any(s not in known for s in chosen):
+        raise ValueError(f"stages are numbers from {known} separated by commas, e.g. '1' or '1,3'; got {text!r}")
+    return chosen
+
+
+def marker_expression(chosen: list[int] | None = None, stages: tuple[Stage, ...] = STAGES) -> str:
+    """The pytest ``-m`` expression selecting these stages' tests (all stages when ``chosen`` is None)."""
+    return " or ".join(get(n, stages).marker for n in (chosen or numbers(stages)))
