@@ -1,0 +1,308 @@
+"""Mutation testing of the graded suite: does every catalogued mistake fail a public test?
+
+    python -m kit mutants                  # every stage's catalogue
+    python -m kit mutants --stage 4        # one stage (``make mutants STAGE=4``)
+    python -m kit mutants --stage auto     # the stages the last commit touched, else one by rotation (CI)
+    python -m kit mutants --stage 4 --only sum-not-average
+
+A grade means something only if wrong answers lose points. The catalogue (``tests/kit/mutants/stage<N>.py``,
+instructor-only: it never ships in the release) lists, per stage, the mistakes students plausibly make —
+the ones the handout warns about first — each as a small find/replace patch of the reference. For each
+mutant this module builds a grading tree whose ``student/`` package is the reference with that one patch,
+runs the stage's **public** tests until the first failure, and reports it:
+
+* ``killed``    — a public test failed; the report names the test and the first line of its message, and,
+  when the mutant gives ``expect`` (a regular expression), checks that the message points at the mistake;
+* ``survived``  — every public test passed: the suite cannot tell this mistake from the right answer;
+* ``justified`` — it survives the public tests for a reason written in ``survives``, and the hidden test
+  named in ``hidden_test`` catches it (checked: a justified survivor that its hidden test misses fails).
+
+A catalogue entry whose ``find`` text no longer occurs in the reference is an error, so the catalogue
+cannot silently drift from the code. The exit status is non-zero when any mutant is not accounted for.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import importlib.util
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from kit import stages as stage_registry
+
+ROOT = Path(__file__).resolve().parent.parent
+CATALOGUE = ROOT / "tests" / "kit" / "mutants"
+OUTPUT = ROOT / "mutants-output"
+
+
+@dataclass(frozen=True)
+class Mutant:
+    """One plausible mistake, as a patch of the reference.
+
+    Attributes:
+        name: short kebab-case id, unique within the stage.
+        file: the patched module, relative to ``reference/`` (e.g. ``"ddp.py"``).
+        find: exact text in that module; must occur exactly ``count`` times.
+        replace: what the mistaken student wrote instead.
+        mistake: one sentence: what is wrong and which handout section warns about it.
+        expect: optional regular expression the first failure's message must match (case-insensitive),
+            so a mutant is "killed with a message that points at it", not merely killed.
+        survives: why no public test can catch it (only for known survivors).
+        hidden_test: the hidden test function that must catch a justified survivor.
+        count: how many times ``find`` occurs (all occurrences are replaced).
+    """
+
+    name: str
+    file: str
+    find: str
+    replace: str
+    mistake: str
+    expect: str = ""
+    survives: str = ""
+    hidden_test: str = ""
+    count: int = 1
+
+
+@dataclass
+class Verdict:
+    stage: int
+    name: str
+    mistake: str
+    verdict: str  # killed | survived | justified | unpointed | hidden-missed | stale | error
+    test: str = ""
+    message: str = ""
+    seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def accounted(self) -> bool:
+        return self.verdict in ("killed", "justified")
+
+
+def load_catalogue(stage: int, catalogue: Path = CATALOGUE) -> list[Mutant]:
+    """The mutants of one stage (``[]`` when the stage has no catalogue file)."""
+    path = catalogue / f"stage{stage}.py"
+    if not path.exists():
+        return []
+    spec = importlib.util.spec_from_file_location(f"_kit_mutants_stage{stage}", path)
+    module = importlib.util.module_from_spec(spec)
+    assert spec.loader is not None
+    spec.loader.exec_module(module)
+    mutants = list(module.MUTANTS)
+    names = [m.name for m in mutants]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise ValueError(f"{path}: duplicate mutant names {duplicates}")
+    return mutants
+
+
+def apply(mutant: Mutant, package: Path) -> None:
+    """Patch ``package/<mutant.file>`` in place; ``LookupError`` when the catalogue no longer matches."""
+    target = package / mutant.file
+    if not target.exists():
+        raise LookupError(f"{mutant.name}: reference/{mutant.file} does not exist")
+    source = target.read_text()
+    found = source.count(mutant.find)
+    if found != mutant.count:
+        raise LookupError(f"{mutant.name}: the find text occurs {found} time(s) in reference/{mutant.file}, "
+                          f"the catalogue expects {mutant.count} — update the catalogue to the reference")
+    target.write_text(source.replace(mutant.find, mutant.replace))
+
+
+def build_tree(dest: Path, root: Path = ROOT) -> Path:
+    """A grading tree in ``dest``: the kit, the tests (public and hidden) and the reference staged as ``student``."""
+    skip = shutil.ignore_patterns("__pycache__", "*.pyc", ".pytest_cache")
+    shutil.copytree(root / "kit", dest / "kit", ignore=skip)
+    shutil.copytree(root / "tests", dest / "tests", ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "kit"))
+    shutil.copytree(root / "reference", dest / "student", ignore=skip)
+    for name in ("pyproject.toml",):
+        shutil.copy2(root / name, dest / name)
+    if (root / "handout").is_dir():
+        shutil.copytree(root / "handout", dest / "handout")
+    return dest
+
+
+def first_failure(junit: Path) -> tuple[str, str] | None:
+    """(test name, message) of the first failed or errored test in a junit XML report, else None.
+
+    The message is the exception's own text (what a student reads first), not the traceback.
+    """
+    if not junit.exists():
+        return None
+    for case in ET.parse(junit).getroot().iter("testcase"):
+        for child in case:
+            if child.tag in ("failure", "error"):
+                return case.get("name", "?"), (child.get("message") or child.text or "").strip()
+    return None
+
+
+def run_tests(tree: Path, stage: int, *, hidden_test: str = "", timeout: float = 900.0) -> tuple[int, Path, str]:
+    """Run the stage's public tests (or one hidden test) in ``tree`` until the first failure."""
+    junit = tree / f"junit-{time.monotonic_ns()}.xml"
+    marker = stage_registry.get(stage).marker
+    if hidden_test:
+        selection = ["tests/hidden", "-m", marker, "-k", hidden_test]
+    else:
+        selection = ["tests", "-m", f"{marker} and not hidden", "--ignore=tests/hidden"]
+    cmd = [sys.executable, "-m", "pytest", *selection, "-x", "-q", "-p", "no:cacheprovider", "--impl", "student",
+           "-o", "addopts=", "-p", "kit", f"--junitxml={junit}", "--tb=short"]
+    env = {**os.environ, "LLMSYS_IMPL": "student", "PYTHONHASHSEED": "0", "MPLBACKEND": "Agg",
+           "PYTHONDONTWRITEBYTECODE": "1"}
+    try:
+        proc = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=timeout,
+                              start_new_session=True)
+        return proc.returncode, junit, proc.stdout[-4000:] + proc.stderr[-2000:]
+    except subprocess.TimeoutExpired as exc:
+        out = (exc.stdout or b"")[-3000:] if isinstance(exc.stdout, bytes) else (exc.stdout or "")[-3000:]
+        return -1, junit, f"timed out after {timeout:g} s\n{out}"
+
+
+def _headline(message: str) -> str:
+    for line in message.splitlines():
+        line = line.strip().removeprefix("E").strip()
+        if line and not line.startswith(("def ", "File ", "Traceback", "_ _", "---", "self =")):
+            return line[:220]
+    return message.strip()[:220]
+
+
+def judge(stage: int, mutant: Mutant, tree: Path, timeout: float) -> Verdict:
+    """Mutate a fresh copy of the staged reference, run the stage's public tests, and classify the result."""
+    verdict = Verdict(stage, mutant.name, mutant.mistake, "error")
+    start = time.monotonic()
+    package = tree / "student"
+    pristine = tree / "student.pristine"
+    shutil.rmtree(package, ignore_errors=True)
+    shutil.copytree(pristine, package)
+    try:
+        apply(mutant, package)
+    except LookupError as exc:
+        verdict.verdict, verdict.message = "stale", str(exc)
+        return verdict
+    code, junit, output = run_tests(tree, stage, timeout=timeout)
+    failure = first_failure(junit)
+    if code == 0:
+        if not mutant.survives:
+            verdict.verdict = "survived"
+        elif not mutant.hidden_test:
+            verdict.verdict = "hidden-missed"
+            verdict.notes.append("a justified survivor must name the hidden test that catches it")
+        else:
+            hcode, hjunit, _ = run_tests(tree, stage, hidden_test=mutant.hidden_test, timeout=timeout)
+            caught = first_failure(hjunit)
+            verdict.verdict = "justified" if hcode != 0 and caught else "hidden-missed"
+            verdict.test, verdict.message = (caught[0], _headline(caught[1])) if caught else (mutant.hidden_test, "")
+            verdict.notes.append(f"survives the public tests: {mutant.survives}")
+    elif failure is None:
+        verdict.verdict, verdict.message = "error", _headline(output)
+    else:
+        verdict.test, verdict.message = failure[0], _headline(failure[1])
+        pointed = not mutant.expect or re.search(mutant.expect, failure[1], re.I | re.S)
+        verdict.verdict = "killed" if pointed else "unpointed"
+        if not pointed:
+            verdict.notes.append(f"the message does not match /{mutant.expect}/")
+    verdict.seconds = round(time.monotonic() - start, 1)
+    return verdict
+
+
+def baseline_passes(tree: Path, stage: int, timeout: float) -> str:
+    """'' when the unmutated reference passes the stage's public tests in this tree, else why not."""
+    code, junit, output = run_tests(tree, stage, timeout=timeout)
+    if code == 0:
+        return ""
+    failure = first_failure(junit)
+    return f"{failure[0]}: {_headline(failure[1])}" if failure else _headline(output)
+
+
+def changed_stages(root: Path = ROOT) -> list[int]:
+    """Stages whose reference modules, tests or catalogue the last commit changed; else one by rotation."""
+    try:
+        files = subprocess.run(["git", "diff", "--name-only", "HEAD~1", "HEAD"], cwd=root, capture_output=True,
+                               text=True, timeout=30).stdout.split()
+    except (OSError, subprocess.SubprocessError):
+        files = []
+    chosen = []
+    for s in stage_registry.STAGES:
+        owned = {f"tests/kit/mutants/stage{s.number}.py"} | {str(p.relative_to(root)) for p in s.test_paths(root)}
+        prefixes = tuple(f"reference/{m}{end}" for m in s.modules for end in (".py", "/"))
+        if any(f in owned or f.startswith(prefixes) for f in files):
+            chosen.append(s.number)
+    if chosen:
+        return chosen
+    numbers = stage_registry.numbers()
+    return [numbers[dt.date.today().toordinal() % len(numbers)]]
+
+
+def run(stages: list[int], *, only: list[str] | None = None, timeout: float = 900.0, baseline: bool = True,
+        out: Path = OUTPUT) -> list[Verdict]:
+    """Judge every catalogued mutant of ``stages``; print a table per stage and write ``out/stage<N>.{md,json}``."""
+    from tqdm import tqdm
+
+    verdicts: list[Verdict] = []
+    out.mkdir(parents=True, exist_ok=True)
+    for stage in stages:
+        mutants = [m for m in load_catalogue(stage) if not only or m.name in only]
+        if not mutants:
+            print(f"stage {stage}: no catalogued mutants" + (f" named {only}" if only else ""))
+            continue
+        with tempfile.TemporaryDirectory(prefix=f"kit-mutants-{stage}-") as tmp:
+            tree = build_tree(Path(tmp))
+            (tree / "student").rename(tree / "student.pristine")
+            shutil.copytree(tree / "student.pristine", tree / "student")
+            if baseline and (why := baseline_passes(tree, stage, timeout)):
+                raise RuntimeError(f"stage {stage}: the unmutated reference fails its own public tests in the "
+                                   f"mutant tree, so no verdict would mean anything: {why}")
+            stage_verdicts = [judge(stage, m, tree, timeout)
+                              for m in tqdm(mutants, desc=f"stage {stage} mutants", unit="mutant")]
+        verdicts += stage_verdicts
+        report = format_report(stage, stage_verdicts)
+        print(report)
+        (out / f"stage{stage}.md").write_text(report + "\n")
+        (out / f"stage{stage}.json").write_text(json.dumps([asdict(v) for v in stage_verdicts], indent=2))
+    return verdicts
+
+
+def format_report(stage: int, verdicts: list[Verdict]) -> str:
+    killed = sum(v.accounted for v in verdicts)
+    lines = [f"## Stage {stage} — {stage_registry.get(stage).title}: {killed}/{len(verdicts)} mistakes caught", "",
+             "| mutant | verdict | caught by | message | s |", "|---|---|---|---|---|"]
+    for v in verdicts:
+        message = (v.message + ("; " + "; ".join(v.notes) if v.notes else "")).replace("|", "\\|")
+        lines.append(f"| {v.name} | {v.verdict} | {v.test} | {message[:300]} | {v.seconds:g} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kit mutants", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--stage", help="stage numbers (e.g. 4 or 1,3), 'auto' (changed or rotating), default all")
+    parser.add_argument("--only", help="only these mutants (comma-separated names)")
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds per test run")
+    parser.add_argument("--no-baseline", action="store_true", help="skip checking that the reference passes first")
+    args = parser.parse_args(argv)
+    if args.stage == "auto":
+        chosen = changed_stages()
+    else:
+        try:
+            chosen = stage_registry.parse_stage_list(args.stage) or stage_registry.numbers()
+        except ValueError as exc:
+            parser.error(str(exc))
+    verdicts = run(chosen, only=args.only.split(",") if args.only else None, timeout=args.timeout,
+                   baseline=not args.no_baseline)
+    bad = [v for v in verdicts if not v.accounted]
+    missing = ", ".join(f"stage {v.stage} {v.name} ({v.verdict})" for v in bad)
+    print(f"\n{len(verdicts) - len(bad)}/{len(verdicts)} catalogued mistakes caught"
+          + (f"; not accounted for: {missing}" if bad else ""))
+    return 1 if bad or not verdicts else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
