@@ -11,6 +11,7 @@ from __future__ import annotations
 import csv
 import datetime as dt
 import json
+import os
 import platform
 import shlex
 import sys
@@ -44,8 +45,11 @@ def environment(**extra: str) -> dict[str, str]:
         device = f"{torch.cuda.get_device_name(0)} ×{torch.cuda.device_count()}"
     else:
         device = f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+    # CPU timings depend on what else runs: say how busy the machine was (1-minute load average).
+    load = f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores" if hasattr(os, "getloadavg") else "unknown"
     return {
         "device": device,
+        "load": load,
         "torch": torch.__version__,
         "triton": triton_version,
         "python": sys.version.split()[0],
