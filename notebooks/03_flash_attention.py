@@ -30,9 +30,9 @@ import numpy as np
 import torch
 
 import kit  # noqa: F401 — first: sets TRITON_INTERPRET on machines without CUDA
+from kit.flops import memory_bandwidth, peak_flops
 from kit.impl import load
 from kit.model import naive_attention
-from kit.flops import memory_bandwidth, peak_flops
 from kit.results import RESULTS_DIR
 
 impl = load()
