@@ -69,8 +69,9 @@ check-handout: setup ## check that the handout, the tests and the points agree
 notebooks: setup ## regenerate notebooks/*.ipynb from their jupytext .py twins
 	$(PY) -m jupytext --to ipynb --update notebooks/[0-9]*.py
 
-bench: setup ## run every benchmark at the sizes that fit this machine
-	@for b in benchmarks/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+bench: setup ## run every benchmark on IMPL into bench-output/ (IMPL=reference SAVE=1: the committed tables)
+	@for b in benchmarks/bench_*.py; do m=benchmarks.$$(basename $$b .py); echo "== python -m $$m"; \
+	    $(PY) -m $$m --impl $(IMPL) $(if $(SAVE),--save) || exit 1; done
 
 doctor: setup ## what this machine can run
 	$(PY) -m kit doctor

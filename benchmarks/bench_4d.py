@@ -1,33 +1,30 @@
-"""The same 8-rank job on several mesh shapes: step time, and communication time per axis.
+"""Stage 6 benchmark: the same 8-rank job on several mesh shapes — step time, and communication time per axis.
 
-    python benchmarks/bench_4d.py           # 8 ranks: dp8, dp4×tp2, dp2×tp2×pp2, dp2×pp2×ep2, tp2×pp2×ep2
-    python benchmarks/bench_4d.py --smoke   # 2 ranks: dp2, tp2, pp2, ep2
+    python -m benchmarks.bench_4d           # 8 ranks: dp8, dp4×tp2, dp2×tp2×pp2, dp2×pp2×ep2, tp2×pp2×ep2
+    python -m benchmarks.bench_4d --smoke   # 2 ranks: dp2, tp2, pp2, ep2 (into bench-output/smoke/)
+    python -m benchmarks.bench_4d --impl reference --save   # the committed benchmarks/results/ tables
 
 One spawn runs every shape (each builds its own mesh in the same process group), all with the same global
 batch (4 sequences per rank; micro-batch 2, accumulation fills the rest). Step time is the median
 of the timed steps of :func:`train_4d.train`. Communication per axis is *replayed*: the collectives that
 ``accounting.comm_volume_per_step`` lists for this rank's stage — same kind, message size and count —
-run alone on that axis's group and are timed, so each axis's cost is seen without compute to hide it.
+run alone on that axis's group and are timed (``kit.bench.step_time``: the slowest rank counts), so each
+axis's cost is seen without compute to hide it. Run it from the repository root. Writes
+``bench_4d.{md,csv,json,png}`` into ``bench-output/`` unless ``--out DIR`` or ``--save`` (full reference
+runs only) says otherwise.
 """
 
 from __future__ import annotations
 
-import argparse
 import statistics
-import sys
-import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from tqdm import tqdm  # noqa: E402
-
-import kit  # noqa: E402,F401 — sets TRITON_INTERPRET first
-from kit.results import RESULTS_DIR, save_results  # noqa: E402
-from kit.spawn import run_on_ranks  # noqa: E402
+import kit  # noqa: F401 — sets TRITON_INTERPRET first
+from kit import bench
+from kit.spawn import run_on_ranks
 
 FULL = [(8, 1, 1, 1), (4, 2, 1, 1), (2, 2, 2, 1), (2, 1, 2, 2), (1, 2, 2, 2)]  # (dp, tp, pp, ep)
 SMOKE = [(2, 1, 1, 1), (1, 2, 1, 1), (1, 1, 2, 1), (1, 1, 1, 2)]
+AXES = ("tp", "pp", "ep", "dp_ep", "dp")
 
 
 def _axis_times(mesh, cfg, stage: int, impl) -> dict[str, float]:
@@ -44,10 +41,7 @@ def _axis_times(mesh, cfg, stage: int, impl) -> dict[str, float]:
     times: dict[str, float] = {}
 
     def timed(axis: str, fn) -> None:
-        dist.barrier()
-        t0 = time.perf_counter()
-        fn()
-        times[axis] = time.perf_counter() - t0
+        times[axis] = bench.step_time(fn)
 
     if cfg.tp > 1:
         g = mesh.get_group("tp")
@@ -87,16 +81,17 @@ def _axis_times(mesh, cfg, stage: int, impl) -> dict[str, float]:
     return times
 
 
-def _rank(shapes: list[tuple[int, int, int, int]], steps: int, model_kwargs: dict, global_batch: int) -> list[dict]:
+def _rank(impl_name: str, shapes: list[tuple[int, int, int, int]], steps: int, model_kwargs: dict,
+          global_batch: int) -> list[dict]:
     import torch.distributed as dist
 
     import kit.impl
     from kit.model import ModelConfig
 
-    impl = kit.impl.load()
+    impl = kit.impl.load(impl_name)
     t4, acc = impl.parallel.train_4d, impl.parallel.accounting
     rows = []
-    for dp, tp, pp, ep in shapes:
+    for dp, tp, pp, ep in bench.progress(shapes, f"mesh shapes on {dist.get_world_size()} ranks", unit="shape"):
         # The same job on every mesh: a fixed global batch; accumulation makes up for fewer data shards.
         mbs, ga = 2, global_batch // (2 * dp * ep)
         cfg = t4.Train4DConfig(dp=dp, tp=tp, pp=pp, ep=ep, micro_batch_size=mbs, grad_accum_steps=ga,
@@ -115,57 +110,41 @@ def _rank(shapes: list[tuple[int, int, int, int]], steps: int, model_kwargs: dic
     return rows
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--smoke", action="store_true", help="2 ranks, tiny model")
-    ap.add_argument("--out", type=Path, default=RESULTS_DIR)
-    args = ap.parse_args()
+def main(argv: list[str] | None = None) -> list[dict]:
+    args = bench.parse(bench.parser(__doc__), argv)
     if args.smoke:
         world, shapes, steps = 2, SMOKE, 2
         model = dict(vocab_size=128, context_length=16, d_model=32, d_ff=64, num_layers=2, num_heads=4)
     else:
         world, shapes, steps = 8, FULL, 4
         model = dict(vocab_size=512, context_length=64, d_model=128, d_ff=256, num_layers=4, num_heads=8)
-    bar = tqdm(total=1, desc=f"{len(shapes)} mesh shapes on {world} ranks (one spawn)")
-    per_rank = run_on_ranks(_rank, world, args=(shapes, steps, model, 4 * world),
-                                                      timeout=600,
-                                                      backend="gloo")
-    bar.update()
-    bar.close()
+    # One spawn runs every shape; rank 0 draws the progress bar.
+    per_rank = run_on_ranks(_rank, world, args=(args.impl, shapes, steps, model, 4 * world), timeout=600,
+                            backend="gloo")
     rows = []
     for i, shape in enumerate(shapes):
         ranks = [r[i] for r in per_rank]
-        axes = ("tp", "pp", "ep", "dp_ep", "dp")
         row = {"dp×tp×pp×ep": "×".join(map(str, shape)),
                "step_ms": 1e3 * max(r["step_s"] for r in ranks), "loss": ranks[0]["loss"]}
-        for axis in axes:
+        for axis in AXES:
             row[f"{axis}_comm_ms"] = 1e3 * max(r["comm_s"].get(axis, 0.0) for r in ranks)
             row[f"{axis}_MiB"] = max(r["bytes"].get(axis, 0) for r in ranks) / 2**20
         rows.append(row)
-    paths = save_results("bench_4d", rows, out_dir=args.out,
-                         title=f"One {world}-rank job, several meshes: step time and per-axis communication (replayed)")
-    _plot(rows, paths["csv"].with_suffix(".png"))
-
-
-def _plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    bench.save("bench_4d", rows, args,
+               title=f"One {world}-rank job, several meshes: step time and per-axis communication (replayed)")
 
     names = [r["dp×tp×pp×ep"] for r in rows]
-    fig, ax = plt.subplots(figsize=(8, 4))
+    fig, ax = bench.subplots(figsize=(8, 4))
     bottom = [0.0] * len(rows)
-    for axis in ("tp", "pp", "ep", "dp_ep", "dp"):
+    for axis in AXES:
         vals = [r[f"{axis}_comm_ms"] for r in rows]
         ax.bar(names, vals, bottom=bottom, label=f"{axis} comm (replayed)")
         bottom = [b + v for b, v in zip(bottom, vals)]
     ax.plot(names, [r["step_ms"] for r in rows], "ko-", label="step time")
     ax.set(xlabel="mesh dp×tp×pp×ep", ylabel="ms", title="Step time and communication per axis")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    print(f"plot: {path}")
+    bench.save_figure(fig, "bench_4d", args)
+    return rows
 
 
 if __name__ == "__main__":

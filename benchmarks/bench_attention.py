@@ -1,57 +1,110 @@
 """Stage 3 benchmark: attention implementations, forward / backward / forward+backward, ms and TFLOP/s.
 
-    python benchmarks/bench_attention.py            # the sizes that fit this machine (full grid on a GPU)
-    python benchmarks/bench_attention.py --smoke    # tiny, < 30 s on a CPU
-    python benchmarks/bench_attention.py --out DIR  # where the tables and the plot go
+    python -m benchmarks.bench_attention            # the sizes that fit this machine (the full grid on a GPU: long)
+    python -m benchmarks.bench_attention --goals    # only the goal rows: minutes on one H100
+    python -m benchmarks.bench_attention --smoke    # tiny, < 30 s on a CPU (into bench-output/smoke/)
+    python -m benchmarks.bench_attention --impl reference --save   # the committed benchmarks/results/ tables
 
-Providers (handout 03 §7): ``naive`` (kit.model.naive_attention, materialises Nq × Nk),
-``naive_compiled`` (the same under torch.compile), ``sdpa`` (torch's scaled_dot_product_attention; the
-flash backend is forced on CUDA for bf16), ``flash_pytorch`` (FlashAttentionPytorch, a Python loop over
-tiles) and ``flash_triton`` (FlashAttentionTriton).
+Run it from the repository root. Providers (handout 03 §7): ``naive`` (kit.model.naive_attention,
+materialises Nq × Nk), ``naive_compiled`` (the same under torch.compile), ``sdpa`` (torch's
+scaled_dot_product_attention; its flash backend is forced on CUDA for bf16/fp16), ``flash_pytorch``
+(FlashAttentionPytorch, a Python loop over tiles) and ``flash_triton`` (FlashAttentionTriton).
 
-Grid on a GPU: sequence 128 … 65536 × head dim 16 … 128 × {bf16, fp32}, batch 1, causal — plus the
-goal rows: the leaderboard configuration (batch 16, Nq = Nk = 16384, D = 64, causal, bf16,
-forward+backward) and a forward-throughput row (batch 8, N = 16384, D = 128, non-causal, bf16).
+Inputs are 4-D, ``(batch, heads, N, D)``: SDPA's fused backends accept nothing else (forced onto the flash
+backend, 3-D input has "No available kernel"). Grid on a GPU: sequence 128 … 65536 × head dim 16 … 128 ×
+{bf16, fp32}, batch 1, one head, causal. Goal rows (``--goals`` runs only these, for ``sdpa`` and
+``flash_triton`` unless ``--providers`` says otherwise): the leaderboard configuration (batch·heads 16,
+Nq = Nk = 16384, D = 64, causal, bf16; forward, backward and forward+backward) and a forward-throughput
+row (batch 8, N = 16384, D = 128, non-causal, bf16). The goal report compares them with the targets and
+with SDPA in the same run, and says loudly when a comparison is missing.
 
-FLOPs: forward 4·B·Nq·Nk·D (halved when causal), backward 2.5× that (2× for the gradients, 0.5× to
-recompute P), forward+backward 3.5×. On CUDA each cell is timed with ``triton.testing.do_bench``
-(median); out-of-memory cells are marked ``OOM``. On a CPU the Triton kernels run in the *interpreter*:
-those numbers say nothing about GPU speed — GPU figures must be measured on a GPU.
+Columns: ``tflops`` is model FLOPs per second (``kit.flops.attention_flops``: 4·B·H·Nq·Nk·D forward, halved
+when causal; backward 2×, forward+backward 3× — recomputation not counted); ``model_gflop`` those FLOPs;
+``executed_gflop`` the matmul FLOPs the provider's design actually executes (see ``DESIGNS``: the kit's
+deterministic Triton backward recomputes S and dP in both its dK/dV and its dQ kernels, 7 matmuls
+against the model's 4). Each cell is measured on its own: an error (a Triton compile error,
+OutOfResources, out of memory, a stub's NotImplementedError) becomes that cell's ``status`` and the
+grid goes on. On CUDA each cell is timed with ``triton.testing.do_bench`` (median) and its peak memory
+taken on a call after the first (the first call autotunes, and the autotuner allocates a cache-flush
+buffer). On a CPU the Triton kernels run in the *interpreter*: those numbers say nothing about GPU speed
+— GPU figures must be measured on a GPU, and the goal rows say they need CUDA.
 """
 
 from __future__ import annotations
 
-import argparse
 import statistics
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
-
-# Run as `python benchmarks/<name>.py`: the kit lives one folder up.
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
 import torch.nn.functional as F
-from tqdm import tqdm
 
 import kit  # noqa: F401 — before triton: the interpreter on machines without CUDA
+from kit import bench
+from kit.flops import attention_flops
 from kit.impl import load
 from kit.model import naive_attention
-from kit.results import RESULTS_DIR, save_results
 
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 MODES = ("forward", "backward", "forward_backward")
-MODE_FLOPS = {"forward": 1.0, "backward": 2.5, "forward_backward": 3.5}
 PROVIDERS = ("naive", "naive_compiled", "sdpa", "flash_pytorch", "flash_triton")
-COLUMNS = ["config", "provider", "dtype", "batch", "seq", "d_head", "causal", "mode", "ms", "tflops", "peak_mib",
-           "status"]
+GOAL_PROVIDERS = ("sdpa", "flash_triton")
+# Matmuls of 2·Nq·Nk·D FLOPs each that a design executes: (forward, backward, skips fully masked causal tiles).
+# naive: S = q·kᵀ and P·v; backward dV, dP, dQ, dK from the saved P. Flash designs recompute S (and P)
+# in backward; FlashAttention-2's single backward kernel (SDPA's flash backend, FlashAttentionPytorch)
+# does S, dV, dP, dQ, dK; the kit's Triton backward computes dK/dV in one kernel (S, dV, dP, dK) and dQ
+# in another (S, dP, dQ) so that no result is written twice (deterministic).
+DESIGNS = {"naive": (2, 4, False), "naive_compiled": (2, 4, False), "sdpa_flash": (2, 5, True),
+           "flash_pytorch": (2, 5, True), "flash_triton": (2, 7, True)}
+COLUMNS = ["config", "provider", "dtype", "batch", "heads", "seq", "d_head", "causal", "mode", "ms", "tflops",
+           "model_gflop", "executed_gflop", "peak_mib", "status"]
+GOAL_MS, GOAL_TFLOPS = 5.0, 450.0
 
 
-def attention_flops(batch: int, nq: int, nk: int, d: int, causal: bool, mode: str) -> float:
-    """Model FLOPs of one attention call: 4·B·Nq·Nk·D forward (two matmuls), halved when causal."""
-    forward = 4.0 * batch * nq * nk * d / (2.0 if causal else 1.0)
-    return MODE_FLOPS[mode] * forward
+def forces_flash(on_cuda: bool, dtype: torch.dtype) -> bool:
+    """Whether ``sdpa`` is pinned to its flash backend: on CUDA, for the half-precision dtypes it supports."""
+    return on_cuda and dtype != torch.float32
+
+
+def make_provider(name: str, on_cuda: bool, impl) -> Callable:
+    """``attn(q, k, v, causal) -> o`` for a provider name; q, k, v of shape ``(batch, heads, N, D)``."""
+    if name == "naive":
+        return naive_attention
+    if name == "naive_compiled":
+        # Default dynamic=None: the first shape compiles statically, the next recompiles once with
+        # symbolic sizes, so the whole grid costs a few compilations rather than one per cell.
+        return torch.compile(naive_attention)
+    if name == "sdpa":
+        def sdpa(q, k, v, causal):
+            if forces_flash(on_cuda, q.dtype):
+                from torch.nn.attention import SDPBackend, sdpa_kernel
+
+                with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                    return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+        return sdpa
+    if name == "flash_pytorch":
+        apply = impl.flash_attention.FlashAttentionPytorch.apply
+        return lambda q, k, v, causal: apply(q, k, v, causal)
+    if name == "flash_triton":
+        apply = impl.flash_attention.FlashAttentionTriton.apply
+        return lambda q, k, v, causal: apply(q, k, v, causal)
+    raise ValueError(f"provider must be one of {PROVIDERS}, got {name!r}")
+
+
+def executed_flops(provider: str, cell: dict, mode: str, on_cuda: bool) -> float | None:
+    """Matmul FLOPs the provider's design executes for one call, or None when its design is not known here
+    (SDPA when its backend is not pinned). Causal tile skipping is counted as the causal half; the
+    diagonal tiles, computed in full, add a fraction tile/N more."""
+    if provider == "sdpa":
+        provider = "sdpa_flash" if forces_flash(on_cuda, DTYPES[cell["dtype"]]) else ""
+    if provider not in DESIGNS:
+        return None
+    forward, backward, skips = DESIGNS[provider]
+    matmuls = {"forward": forward, "backward": backward, "forward_backward": forward + backward}[mode]
+    half = 0.5 if cell["causal"] and skips else 1.0
+    return matmuls * 2.0 * cell["batch"] * cell["heads"] * cell["seq"] ** 2 * cell["d_head"] * half
 
 
 def time_ms(fn: Callable[[], object], on_cuda: bool, cpu_iters: int) -> float:
@@ -70,100 +123,89 @@ def time_ms(fn: Callable[[], object], on_cuda: bool, cpu_iters: int) -> float:
     return 1e3 * statistics.median(samples)
 
 
-def make_provider(name: str, on_cuda: bool, fa) -> Callable:
-    """``attn(q, k, v, causal) -> o`` for a provider name."""
-    if name == "naive":
-        return naive_attention
-    if name == "naive_compiled":
-        # Default dynamic=None: the first shape compiles statically, the next recompiles once with
-        # symbolic sizes, so the whole grid costs a few compilations rather than one per cell.
-        return torch.compile(naive_attention)
-    if name == "sdpa":
-        def sdpa(q, k, v, causal):
-            if on_cuda and q.dtype != torch.float32:
-                from torch.nn.attention import SDPBackend, sdpa_kernel
-
-                with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-                    return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-
-        return sdpa
-    if name == "flash_pytorch":
-        return lambda q, k, v, causal: fa.FlashAttentionPytorch.apply(q, k, v, causal)
-    if name == "flash_triton":
-        return lambda q, k, v, causal: fa.FlashAttentionTriton.apply(q, k, v, causal)
-    raise ValueError(f"provider must be one of {PROVIDERS}, got {name!r}")
+def failure(exc: BaseException) -> str:
+    """A cell's status for an exception: ``OOM``, ``not implemented: …`` or ``error: Type: first line``."""
+    text = (str(exc).strip().splitlines() or [""])[0][:100]
+    if isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in text.lower():
+        return "OOM"
+    if isinstance(exc, NotImplementedError):
+        return f"not implemented: {text}"
+    return f"error: {type(exc).__name__}: {text}"
 
 
-def measure(attn: Callable, batch: int, seq: int, d: int, dtype: torch.dtype, causal: bool, modes: tuple[str, ...],
-            device: torch.device, cpu_iters: int) -> dict[str, tuple[float | None, float | None, str]]:
-    """``{mode: (ms, peak MiB or None, status)}`` for one provider and shape."""
-    on_cuda = device.type == "cuda"
+def make_call(attn: Callable, cell: dict, mode: str, device: torch.device) -> Callable[[], object]:
+    """The call to time for one mode, on seeded inputs q, k, v, dO of shape ``(batch, heads, N, D)``.
+
+    ``backward`` differentiates one retained graph (its forward runs here, untimed)."""
+    shape = (cell["batch"], cell["heads"], cell["seq"], cell["d_head"])
+    dtype, causal = DTYPES[cell["dtype"]], cell["causal"]
     g = torch.Generator(device=device).manual_seed(0)
-    q, k, v = (torch.randn(batch, seq, d, device=device, dtype=dtype, generator=g, requires_grad=True)
-               for _ in range(3))
-    do = torch.randn(batch, seq, d, device=device, dtype=dtype, generator=g)
-    out: dict[str, tuple[float | None, float | None, str]] = {}
-    for mode in modes:
+    q, k, v = (torch.randn(shape, device=device, dtype=dtype, generator=g, requires_grad=True) for _ in range(3))
+    do = torch.randn(shape, device=device, dtype=dtype, generator=g)
+    if mode == "forward":
+        def forward():
+            with torch.no_grad():
+                return attn(q, k, v, causal)
+
+        return forward
+    if mode == "backward":
+        o = attn(q, k, v, causal)
+        return lambda: torch.autograd.grad(o, (q, k, v), do, retain_graph=True)
+    return lambda: torch.autograd.grad(attn(q, k, v, causal), (q, k, v), do)
+
+
+def measure(attn: Callable, cell: dict, device: torch.device, cpu_iters: int) -> dict[str, tuple]:
+    """``{mode: (ms or None, peak MiB or None, status)}`` for one provider and one cell; never raises."""
+    on_cuda = device.type == "cuda"
+    out: dict[str, tuple] = {}
+    for mode in cell["modes"]:
+        fn = None
         try:
+            fn = make_call(attn, cell, mode, device)
+            peak = None
             if on_cuda:
+                fn()  # compiles and autotunes: the autotuner's cache-flush buffer must not count
+                torch.cuda.synchronize()
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats()
-            if mode == "forward":
-                def fn():
-                    with torch.no_grad():
-                        return attn(q, k, v, causal)
-            elif mode == "backward":
-                o = attn(q, k, v, causal)
-
-                def fn(o=o):
-                    return torch.autograd.grad(o, (q, k, v), do, retain_graph=True)
-            else:
-                def fn():
-                    return torch.autograd.grad(attn(q, k, v, causal), (q, k, v), do)
-            peak = None
-            if on_cuda:  # one call on its own for the peak (do_bench allocates an L2-flush buffer)
                 fn()
                 torch.cuda.synchronize()
                 peak = torch.cuda.max_memory_allocated() / 2**20
-            ms = time_ms(fn, on_cuda, cpu_iters)
-            out[mode] = (ms, peak, "ok")
-        except torch.cuda.OutOfMemoryError:
-            out[mode] = (None, None, "OOM")
-        except RuntimeError as exc:  # CPU allocations and some CUDA paths raise plain RuntimeErrors
-            status = "OOM" if "out of memory" in str(exc).lower() else f"error: {str(exc).splitlines()[0][:80]}"
-            out[mode] = (None, None, status)
+            out[mode] = (time_ms(fn, on_cuda, cpu_iters), peak, "ok")
+        except Exception as exc:  # one cell's failure is that cell's status: the grid goes on
+            out[mode] = (None, None, failure(exc))
         finally:
-            fn = o = None  # noqa: F841 — free the retained graph before the next mode
+            fn = None  # free the inputs and any retained graph before the next mode
             if on_cuda:
                 torch.cuda.empty_cache()
     return out
 
 
-def plan(args: argparse.Namespace, on_cuda: bool) -> list[dict]:
-    """The cells to run: the grid, then the goal rows."""
+def plan(args, on_cuda: bool) -> list[dict]:
+    """The cells to run: the grid (unless ``--goals``), then the goal rows (unless ``--smoke``)."""
     if args.smoke:
         seqs, dims, dtypes = [128], [16], ["fp32"]
     elif on_cuda:
         seqs, dims, dtypes = [2**p for p in range(7, 17)], [16, 32, 64, 128], ["bf16", "fp32"]
     else:
         seqs, dims, dtypes = [128, 256, 512], [16, 64], ["fp32", "bf16"]
-    cells = [dict(config="grid", batch=1, seq=s, d_head=d, dtype=t, causal=True, modes=MODES)
-             for t in dtypes for d in dims for s in seqs]
+    cells = [] if args.goals else [
+        dict(config="grid", batch=1, heads=1, seq=s, d_head=d, dtype=t, causal=True, modes=MODES)
+        for t in dtypes for d in dims for s in seqs]
     if not args.smoke:
-        cells.append(dict(config="leaderboard", batch=16, seq=16384, d_head=64, dtype="bf16", causal=True,
-                          modes=("forward_backward",)))
-        cells.append(dict(config="fwd-throughput", batch=8, seq=16384, d_head=128, dtype="bf16", causal=False,
-                          modes=("forward",)))
+        cells.append(dict(config="leaderboard", batch=16, heads=1, seq=16384, d_head=64, dtype="bf16", causal=True,
+                          modes=MODES))
+        cells.append(dict(config="fwd-throughput", batch=8, heads=1, seq=16384, d_head=128, dtype="bf16",
+                          causal=False, modes=("forward",)))
     return cells
 
 
-def skip_reason(provider: str, cell: dict, on_cuda: bool, args: argparse.Namespace) -> str | None:
+def skip_reason(provider: str, cell: dict, on_cuda: bool, args) -> str | None:
     """Why a provider does not run a cell on this machine, or None when it does."""
     seq = cell["seq"]
     if not on_cuda:
         if cell["config"] != "grid":
-            return "needs a CUDA GPU: measure on an H100"
+            return "needs CUDA: a goal row, measured on a GPU only"
         if provider == "naive_compiled" and not args.compile_on_cpu:
             return "skipped on CPU: torch.compile takes minutes here (--compile-on-cpu)"
         if provider == "flash_triton" and seq > args.cpu_triton_max_seq:
@@ -171,118 +213,122 @@ def skip_reason(provider: str, cell: dict, on_cuda: bool, args: argparse.Namespa
         if provider == "flash_pytorch" and seq > 1024:
             return "skipped: Python tile loop too slow"
         return None
-    if provider == "flash_pytorch" and cell["batch"] * seq > 4096:
-        return "skipped: Python tile loop (B·N > 4096)"
+    if provider == "flash_pytorch" and cell["batch"] * cell["heads"] * seq > 4096:
+        return "skipped: Python tile loop (B·H·N > 4096)"
     return None
 
 
-def plot(rows: list[dict], path: Path) -> Path | None:
-    import matplotlib
+def goal_report(rows: list[dict], on_cuda: bool, device_name: str = "") -> list[str]:
+    """Lines comparing the goal rows with the Stage 3 targets (handout 03 §7) and with SDPA in the same run.
+    A comparison that could not be made says so in a line starting with ``MISSING``. Printed, never asserted."""
+    if not on_cuda:
+        return [f"Goals (leaderboard ≤ {GOAL_MS} ms forward+backward and ≤ SDPA's flash backend; forward ≥ "
+                f"{GOAL_TFLOPS:.0f} TFLOP/s at D=128) need a CUDA GPU: these CPU numbers do not measure them."]
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    def row(config: str, provider: str, mode: str) -> dict | None:
+        return next((r for r in rows if (r["config"], r["provider"], r["mode"]) == (config, provider, mode)), None)
 
-    grid = [r for r in rows if r["config"] == "grid" and r["mode"] == "forward_backward" and r["ms"] is not None]
-    if not grid:
-        return None
-    d_plot = max(r["d_head"] for r in grid)
-    dtypes = sorted({r["dtype"] for r in grid})
-    fig, axes = plt.subplots(1, len(dtypes), figsize=(6 * len(dtypes), 4), squeeze=False)
-    for ax, dtype in zip(axes[0], dtypes):
-        for provider in PROVIDERS:
-            pts = sorted((r["seq"], r["ms"]) for r in grid
-                         if r["provider"] == provider and r["dtype"] == dtype and r["d_head"] == d_plot)
-            if pts:
-                ax.plot(*zip(*pts), marker="o", label=provider)
-        ax.set(xscale="log", yscale="log", xlabel="sequence length", ylabel="ms (forward+backward)",
-               title=f"causal attention, {dtype}, D={d_plot}")
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
-    device = "CUDA" if torch.cuda.is_available() else "CPU (Triton interpreted: not a GPU speed)"
-    fig.suptitle(f"bench_attention on {device}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    def missing(config: str, provider: str, mode: str) -> str | None:
+        r = row(config, provider, mode)
+        if r is not None and r["status"] == "ok":
+            return None
+        why = "not run (see --providers / --goals)" if r is None else r["status"]
+        return f"MISSING {config} {mode} for {provider}: {why}"
+
+    if not any(r["config"] != "grid" for r in rows):
+        return ["Goal rows not run (--smoke): run --goals for the comparison with the targets and SDPA."]
+    lines = [f"Goals on {device_name}:"]
+    for mode in MODES:
+        gaps = [m for m in (missing("leaderboard", p, mode) for p in GOAL_PROVIDERS) if m]
+        lines += [f"  !! {m} — the leaderboard comparison is incomplete" for m in gaps]
+        if gaps:
+            continue
+        mine, sdpa = row("leaderboard", "flash_triton", mode), row("leaderboard", "sdpa", mode)
+        verdict = "not slower" if mine["ms"] <= sdpa["ms"] else "slower"
+        line = f"  leaderboard {mode}: {mine['ms']:.2f} ms vs SDPA flash {sdpa['ms']:.2f} ms ({verdict})"
+        if mode == "forward_backward":
+            line += f"; goal ≤ {GOAL_MS} ms: {'met' if mine['ms'] <= GOAL_MS else 'missed'}"
+        lines.append(line)
+    gap = missing("fwd-throughput", "flash_triton", "forward")
+    if gap:
+        lines.append(f"  !! {gap} — the throughput goal is not measured")
+    else:
+        mine = row("fwd-throughput", "flash_triton", "forward")
+        verdict = "met" if mine["tflops"] >= GOAL_TFLOPS else "missed"
+        lines.append(f"  forward D=128 N=16384 bf16: {mine['tflops']:.0f} TFLOP/s "
+                     f"(goal ≥ {GOAL_TFLOPS:.0f}: {verdict})")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--smoke", action="store_true", help="one tiny configuration (< 30 s on a CPU)")
-    parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="directory for the tables and the plot")
-    parser.add_argument("--providers", default=",".join(PROVIDERS), help=f"comma-separated subset of {PROVIDERS}")
-    parser.add_argument("--cpu-iters", type=int, default=3, help="timed calls per cell on a CPU (median)")
-    parser.add_argument("--cpu-triton-max-seq", type=int, default=128,
-                        help="longest sequence the interpreted Triton kernels run on a CPU")
-    parser.add_argument("--compile-on-cpu", action="store_true", help="also run torch.compile on a CPU (slow)")
-    parser.add_argument("--cpu-threads", type=int, default=1,
-                        help="torch threads on a CPU (1 keeps timings stable on a shared machine)")
-    args = parser.parse_args(argv)
-    providers = [p.strip() for p in args.providers.split(",") if p.strip()]
-    bad = [p for p in providers if p not in PROVIDERS]
+    p = bench.parser(__doc__)
+    p.add_argument("--goals", action="store_true", help="only the goal rows (on a GPU: minutes, not hours)")
+    p.add_argument("--providers", default=None,
+                   help=f"comma-separated subset of {PROVIDERS} (default: all; with --goals: {GOAL_PROVIDERS})")
+    p.add_argument("--cpu-iters", type=int, default=3, help="timed calls per cell on a CPU (median)")
+    p.add_argument("--cpu-triton-max-seq", type=int, default=128,
+                   help="longest sequence the interpreted Triton kernels run on a CPU")
+    p.add_argument("--compile-on-cpu", action="store_true", help="also run torch.compile on a CPU (slow)")
+    args = bench.parse(p, argv)
+    default = GOAL_PROVIDERS if args.goals else PROVIDERS
+    providers = [s.strip() for s in args.providers.split(",") if s.strip()] if args.providers else list(default)
+    bad = [s for s in providers if s not in PROVIDERS]
     if bad:
-        parser.error(f"--providers: unknown {bad}; choose from {PROVIDERS}")
-
+        p.error(f"--providers: unknown {bad}; choose from {PROVIDERS}")
     if args.smoke:
         args.cpu_iters = 1
+
     on_cuda = torch.cuda.is_available()
     device = torch.device("cuda" if on_cuda else "cpu")
     if on_cuda:
         torch._dynamo.config.cache_size_limit = 64  # a few graphs per dtype and head dim
-    else:
-        torch.set_num_threads(args.cpu_threads)
-    fa = load().flash_attention
-    cells = plan(args, on_cuda)
+    impl = load(args.impl)
     rows: list[dict] = []
-    for cell in tqdm([(c, p) for c in cells for p in providers], desc="attention cells"):
-        cell, provider = cell
-        base = {k: cell[k] for k in ("config", "batch", "seq", "d_head", "dtype", "causal")}
+    for cell, provider in bench.progress([(c, s) for c in plan(args, on_cuda) for s in providers], "attention"):
+        base = {k: cell[k] for k in ("config", "batch", "heads", "seq", "d_head", "dtype", "causal")}
         reason = skip_reason(provider, cell, on_cuda, args)
-        if reason is None:
-            attn = make_provider(provider, on_cuda, fa)
-            results = measure(attn, cell["batch"], cell["seq"], cell["d_head"], DTYPES[cell["dtype"]], cell["causal"],
-                              cell["modes"], device, args.cpu_iters)
-        else:
+        if reason is not None:
             results = {mode: (None, None, reason) for mode in cell["modes"]}
+        else:
+            try:
+                attn = make_provider(provider, on_cuda, impl)
+            except Exception as exc:  # e.g. a student module that does not import
+                results = {mode: (None, None, failure(exc)) for mode in cell["modes"]}
+            else:
+                results = measure(attn, cell, device, args.cpu_iters)
         for mode, (ms, peak, status) in results.items():
-            flops = attention_flops(cell["batch"], cell["seq"], cell["seq"], cell["d_head"], cell["causal"], mode)
+            flops = attention_flops(cell["batch"] * cell["heads"], cell["seq"], cell["seq"], cell["d_head"],
+                                    causal=cell["causal"], mode=mode)
+            executed = executed_flops(provider, cell, mode, on_cuda)
             rows.append({**base, "provider": provider, "mode": mode, "ms": ms,
                          "tflops": None if ms is None else flops / (ms * 1e-3) / 1e12,
+                         "model_gflop": flops / 1e9, "executed_gflop": None if executed is None else executed / 1e9,
                          "peak_mib": peak, "status": status})
 
-    title = "Attention: forward / backward / forward+backward"
+    title = "Attention: forward / backward / forward+backward (TFLOP/s on model FLOPs)"
     if not on_cuda:
         title += " — CPU run (Triton interpreted); GPU figures must be measured on a GPU"
-    save_results("bench_attention", rows, out_dir=args.out, columns=COLUMNS, title=title)
-    path = plot(rows, Path(args.out) / "bench_attention.png")
-    if path:
-        print(f"\nplot: {path}")
-    report_goals(rows, on_cuda)
+    bench.save("bench_attention", rows, args, columns=COLUMNS, title=title)
+
+    grid = [r for r in rows if r["config"] == "grid" and r["mode"] == "forward_backward" and r["ms"] is not None]
+    if grid:
+        d_plot = max(r["d_head"] for r in grid)
+        dtypes = sorted({r["dtype"] for r in grid})
+        fig, axes = bench.subplots(1, len(dtypes), figsize=(6 * len(dtypes), 4), squeeze=False)
+        for ax, dtype in zip(axes[0], dtypes):
+            for provider in PROVIDERS:
+                pts = sorted((r["seq"], r["ms"]) for r in grid
+                             if r["provider"] == provider and r["dtype"] == dtype and r["d_head"] == d_plot)
+                if pts:
+                    ax.plot(*zip(*pts), marker="o", label=provider)
+            ax.set(xscale="log", yscale="log", xlabel="sequence length", ylabel="ms (forward+backward)",
+                   title=f"causal attention, {dtype}, D={d_plot}")
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend(fontsize=8)
+        fig.suptitle(f"bench_attention on {'CUDA' if on_cuda else 'CPU (Triton interpreted: not a GPU speed)'}")
+        bench.save_figure(fig, "bench_attention", args)
+    print("\n" + "\n".join(goal_report(rows, on_cuda, torch.cuda.get_device_name(0) if on_cuda else "")))
     return rows
-
-
-def report_goals(rows: list[dict], on_cuda: bool) -> None:
-    """Compare the goal rows with the Stage 3 targets (handout 03 §7). Printed, never asserted."""
-    if not on_cuda:
-        print("\nGoals (leaderboard ≤ 5.0 ms fwd+bwd and ≤ SDPA flash; forward ≥ 450 TFLOP/s at D=128) need a CUDA "
-              "GPU: these CPU numbers do not measure them.")
-        return
-
-    def pick(config: str, provider: str) -> dict | None:
-        return next((r for r in rows if r["config"] == config and r["provider"] == provider and r["ms"]), None)
-
-    lb, lb_sdpa, thr = pick("leaderboard", "flash_triton"), pick("leaderboard", "sdpa"), pick("fwd-throughput",
-                                                                                                "flash_triton")
-    print(f"\nGoals on {torch.cuda.get_device_name(0)}:")
-    if lb:
-        verdict = "met" if lb["ms"] <= 5.0 else "missed"
-        print(f"  leaderboard fwd+bwd: {lb['ms']:.2f} ms (goal ≤ 5.0 ms: {verdict})")
-        if lb_sdpa:
-            faster = "not slower" if lb["ms"] <= lb_sdpa["ms"] else "slower"
-            print(f"  vs SDPA flash backend {lb_sdpa['ms']:.2f} ms: {faster}")
-    if thr:
-        verdict = "met" if thr["tflops"] >= 450 else "missed"
-        print(f"  forward D=128 N=16384 bf16: {thr['tflops']:.0f} TFLOP/s (goal ≥ 450: {verdict})")
 
 
 if __name__ == "__main__":

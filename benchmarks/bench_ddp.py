@@ -1,9 +1,11 @@
-"""Step time and exposed communication of every DDP variant, next to torch's DistributedDataParallel.
+"""Stage 4 benchmark: step time and exposed communication of every DDP variant, next to torch's DDP.
 
-    python benchmarks/bench_ddp.py              # CPU: 2 gloo ranks; GPUs: NCCL on every GPU (at least 2)
-    python benchmarks/bench_ddp.py --smoke      # seconds, any machine
-    python benchmarks/bench_ddp.py --width 2048 --layers 16 --batch 32 --buckets 1 25 100
+    python -m benchmarks.bench_ddp              # CPU: 2 gloo ranks; GPUs: NCCL on every GPU (at least 2)
+    python -m benchmarks.bench_ddp --smoke      # seconds, any machine (into bench-output/smoke/)
+    python -m benchmarks.bench_ddp --width 2048 --layers 16 --batch 32 --buckets 1 25 100
+    python -m benchmarks.bench_ddp --impl reference --save   # the committed benchmarks/results/ tables
 
+Run it from the repository root.
 The model is a stack of ``--layers`` Linear(width, width) layers with tanh: plenty of gradient bytes per
 FLOP, so communication matters. Every method trains the same model on the same data in one run: naive,
 flat, individual, bucketed at each ``--buckets`` size, and ``torch.nn.parallel.DistributedDataParallel``
@@ -12,29 +14,23 @@ synchronisation, SGD step); the step time of the same work without any communica
 measured with every rank computing at once, so the ranks contend for the machine as they do in DDP);
 ``exposed_comm_ms = step_ms - compute_ms``, the communication the backward pass did not hide, and its
 share of the step. For torch DDP, the c10d logger's own backward compute, communication and overlap
-times are reported as well (averaged over its sampled iterations). Writes ``ddp.{csv,json,md}`` and
-``ddp.png`` under ``--out``.
+times are reported as well (averaged over its sampled iterations). Each step is timed with
+``kit.bench.step_time`` (all ranks start together; the slowest rank's time counts). Writes
+``ddp.{md,csv,json,png}`` into ``bench-output/`` unless ``--out DIR`` or ``--save`` (full reference runs
+only) says otherwise.
 """
 
 from __future__ import annotations
 
-import argparse
 import statistics
-import sys
-import time
-from pathlib import Path
-
-# Run as `python benchmarks/<name>.py`: the kit lives one folder up.
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from tqdm import tqdm
 
 import kit  # noqa: F401 — sets TRITON_INTERPRET before anything imports triton
+from kit import bench
 from kit.impl import load
-from kit.results import RESULTS_DIR, save_results
 from kit.spawn import rank_device, run_on_ranks
 
 
@@ -51,26 +47,11 @@ class Stack(nn.Module):
         return x
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def _time_steps(step, device: torch.device, warmup: int, iters: int) -> list[float]:
-    """Seconds per step, each step's end aligned across ranks (the slowest rank's time counts)."""
+def _time_steps(step, warmup: int, iters: int) -> list[float]:
+    """Seconds per step over ``iters`` steps after ``warmup`` untimed ones (the slowest rank's time)."""
     for _ in range(warmup):
         step()
-    times = []
-    for _ in range(iters):
-        _sync(device)
-        dist.barrier()
-        start = time.perf_counter()
-        step()
-        _sync(device)
-        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=device)
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        times.append(float(elapsed.item()))
-    return times
+    return [bench.step_time(step) for _ in range(iters)]
 
 
 def _bench_rank(impl_name: str, methods: list[tuple[str, float | None]], width: int, layers: int, batch: int,
@@ -97,10 +78,10 @@ def _bench_rank(impl_name: str, methods: list[tuple[str, float | None]], width: 
 
         return step
 
-    for method, bucket_mb in tqdm(methods, desc="ddp", unit="method", disable=rank != 0):
+    for method, bucket_mb in bench.progress(methods, "ddp", unit="method"):
         # The same work with no communication at all, every rank at once, right before the method.
         model = Stack(width, layers).to(device)
-        compute = statistics.fmean(_time_steps(make_step(model), device, warmup, iters))
+        compute = statistics.fmean(_time_steps(make_step(model), warmup, iters))
         if method == "torch DDP":
             ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=bucket_mb or 25.0)
         elif method == "naive":
@@ -112,7 +93,7 @@ def _bench_rank(impl_name: str, methods: list[tuple[str, float | None]], width: 
         else:
             ddp = impl.ddp.DDPBucketed(model, bucket_mb)
         # torch DDP rebuilds its buckets after iteration 0: the warm-up covers it.
-        step_times = _time_steps(make_step(model, ddp), device, max(warmup, 2), iters)
+        step_times = _time_steps(make_step(model, ddp), max(warmup, 2), iters)
         step = statistics.fmean(step_times)
         row = {
             "method": method,
@@ -144,39 +125,17 @@ def _bench_rank(impl_name: str, methods: list[tuple[str, float | None]], width: 
     return rows
 
 
-def plot(rows: list[dict], path: Path, title: str) -> None:
-    import matplotlib
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    labels = [r["method"] + ("" if r["bucket_mb"] is None else f"\n{r['bucket_mb']:g} MB") for r in rows]
-    compute = [r["compute_ms"] for r in rows]
-    exposed = [r["step_ms"] - r["compute_ms"] for r in rows]
-    fig, ax = plt.subplots(figsize=(max(6, 0.8 * len(rows)), 4))
-    ax.bar(labels, compute, label="compute (no communication)", color="#4c72b0")
-    ax.bar(labels, exposed, bottom=compute, label="exposed communication", color="#dd8452")
-    ax.set(ylabel="ms per step", title=title)
-    ax.tick_params(axis="x", labelsize=7)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None) -> list[dict]:
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--smoke", action="store_true", help="tiny sizes, a few seconds")
-    parser.add_argument("--out", type=Path, default=RESULTS_DIR)
-    parser.add_argument("--world-size", type=int, default=None, help="ranks (default: all GPUs, or 2 on a CPU)")
-    parser.add_argument("--width", type=int, default=None)
-    parser.add_argument("--layers", type=int, default=None)
-    parser.add_argument("--batch", type=int, default=None, help="rows per rank")
-    parser.add_argument("--buckets", nargs="+", type=float, default=[1, 10, 100, 1000], help="bucket sizes, MiB")
-    parser.add_argument("--iters", type=int, default=None)
-    parser.add_argument("--impl", default=None, help="student or reference (default: $LLMSYS_IMPL or student)")
-    args = parser.parse_args(argv)
+    p = bench.parser(__doc__)
+    p.add_argument("--world-size", type=int, default=None, help="ranks (default: all GPUs, or 2 on a CPU)")
+    p.add_argument("--width", type=int, default=None)
+    p.add_argument("--layers", type=int, default=None)
+    p.add_argument("--batch", type=int, default=None, help="rows per rank")
+    p.add_argument("--buckets", nargs="+", type=float, default=[1, 10, 100, 1000], help="bucket sizes, MiB")
+    p.add_argument("--iters", type=int, default=None)
+    args = bench.parse(p, argv)
 
     if args.smoke:
         width, layers, batch, warmup, iters, buckets = 64, 4, 8, 1, 2, [0.01, 1000]
@@ -188,12 +147,11 @@ def main(argv: list[str] | None = None) -> int:
     iters = args.iters or iters
     world = args.world_size or (gpus if gpus >= 2 else 2)
     backend = "nccl" if gpus >= world else "gloo"
-    impl_name = load(args.impl).package
 
     methods: list[tuple[str, float | None]] = [("naive", None), ("flat", None), ("individual", None)]
     for mb in buckets:
         methods += [("bucketed", mb), ("torch DDP", mb)]
-    rows = run_on_ranks(_bench_rank, world, args=(impl_name, methods, width, layers, batch, warmup, iters),
+    rows = run_on_ranks(_bench_rank, world, args=(args.impl, methods, width, layers, batch, warmup, iters),
                         timeout=1200, backend=backend)[0]
     torch_by_bucket = {r["bucket_mb"]: r["step_ms"] for r in rows if r["method"] == "torch DDP"}
     for r in rows:
@@ -207,10 +165,20 @@ def main(argv: list[str] | None = None) -> int:
     columns = ["method", "bucket_mb", "buckets", "step_ms", "step_std_ms", "compute_ms", "exposed_comm_ms",
                "comm_share", "vs_torch_ddp", "torch_bwd_compute_ms", "torch_bwd_comm_ms", "torch_overlap_ms",
                "world_size", "backend", "grad_mib", "batch_per_rank"]
-    paths = save_results("ddp", rows, out_dir=args.out, columns=columns, title=title)
-    plot(rows, paths["csv"].with_suffix(".png"), title)
-    return 0
+    bench.save("ddp", rows, args, columns=columns, title=title)
+
+    labels = [r["method"] + ("" if r["bucket_mb"] is None else f"\n{r['bucket_mb']:g} MB") for r in rows]
+    compute = [r["compute_ms"] for r in rows]
+    exposed = [r["step_ms"] - r["compute_ms"] for r in rows]
+    fig, ax = bench.subplots(figsize=(max(6, 0.8 * len(rows)), 4))
+    ax.bar(labels, compute, label="compute (no communication)", color="#4c72b0")
+    ax.bar(labels, exposed, bottom=compute, label="exposed communication", color="#dd8452")
+    ax.set(ylabel="ms per step", title=title)
+    ax.tick_params(axis="x", labelsize=7)
+    ax.legend(fontsize=8)
+    bench.save_figure(fig, "ddp", args)
+    return rows
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -1,36 +1,31 @@
-"""Pipeline schedules measured: bubble fraction vs (p−1)/(m+p−1), and peak activation memory per stage.
+"""Stage 6 benchmark: pipeline schedules measured — bubble fraction vs (p−1)/(m+p−1), peak activation memory.
 
-    python benchmarks/bench_pipeline.py            # p ∈ {2, 4}, m ∈ {1, 2, 4, 8}, GPipe and 1F1B
-    python benchmarks/bench_pipeline.py --smoke    # p = 2, m ∈ {2, 4}: a few seconds
+    python -m benchmarks.bench_pipeline            # p ∈ {2, 4}, m ∈ {1, 2, 4, 8}, GPipe and 1F1B
+    python -m benchmarks.bench_pipeline --smoke    # p = 2, m ∈ {2, 4}: a few seconds (into bench-output/smoke/)
+    python -m benchmarks.bench_pipeline --impl reference --save   # the committed benchmarks/results/ tables
 
 One spawn per pipeline depth p; inside it every (schedule, m) runs a warm-up step and timed steps. The
 measured bubble is 1 − (time stage 0 spent computing) / (step time). On a CPU with fewer cores than
-stages the stages also compete for cores, so expect the measurement to sit above the formula.
+stages the stages also compete for cores, so expect the measurement to sit above the formula. Run it from
+the repository root. Writes ``bench_pipeline.{md,csv,json,png}`` into ``bench-output/`` unless ``--out
+DIR`` or ``--save`` (full reference runs only) says otherwise.
 """
 
 from __future__ import annotations
 
-import argparse
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from tqdm import tqdm  # noqa: E402
-
-import kit  # noqa: E402,F401 — sets TRITON_INTERPRET first
-from kit.results import RESULTS_DIR, save_results  # noqa: E402
-from kit.spawn import run_on_ranks  # noqa: E402
+import kit  # noqa: F401 — sets TRITON_INTERPRET first
+import kit.impl
+from kit import bench
+from kit.spawn import run_on_ranks
 
 
-def _rank(p: int, ms: list[int], d_model: int, seq: int, mbs: int, iters: int) -> list[dict]:
+def _rank(impl_name: str, p: int, ms: list[int], d_model: int, seq: int, mbs: int, iters: int) -> list[dict]:
     import torch
     import torch.distributed as dist
 
-    import kit.impl
     from kit.model import ModelConfig, TransformerLM
 
-    pp = kit.impl.load().parallel.pipeline_parallel
+    pp = kit.impl.load(impl_name).parallel.pipeline_parallel
     cfg = ModelConfig(vocab_size=256, context_length=seq, d_model=d_model, d_ff=4 * d_model, num_layers=2 * p,
                       num_heads=4)
     torch.manual_seed(0)
@@ -56,21 +51,17 @@ def _rank(p: int, ms: list[int], d_model: int, seq: int, mbs: int, iters: int) -
     return rows
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--smoke", action="store_true", help="tiny sizes, a few seconds")
-    ap.add_argument("--out", type=Path, default=RESULTS_DIR)
-    args = ap.parse_args()
-    import kit.impl
-
-    pp = kit.impl.load().parallel.pipeline_parallel
+def main(argv: list[str] | None = None) -> list[dict]:
+    args = bench.parse(bench.parser(__doc__), argv)
+    pp = kit.impl.load(args.impl).parallel.pipeline_parallel
     if args.smoke:
         depths, ms, d_model, seq, mbs, iters = [2], [2, 4], 32, 16, 2, 1
     else:
         depths, ms, d_model, seq, mbs, iters = [2, 4], [1, 2, 4, 8], 128, 64, 4, 3
     rows = []
-    for p in tqdm(depths, desc="pipeline depth"):
-        per_rank = run_on_ranks(_rank, p, args=(p, ms, d_model, seq, mbs, iters), timeout=600, backend="gloo")
+    for p in bench.progress(depths, "pipeline depth", unit="depth"):
+        per_rank = run_on_ranks(_rank, p, args=(args.impl, p, ms, d_model, seq, mbs, iters), timeout=600,
+                                backend="gloo")
         for kind in ("gpipe", "1f1b"):
             for m in ms:
                 stages = [next(r for r in rank_rows if r["schedule"] == kind and r["m"] == m) for rank_rows in per_rank]
@@ -83,18 +74,9 @@ def main() -> None:
                     "peak_act_MiB_stage0": stages[0]["peak_act_MiB"],
                     "peak_act_MiB_last": stages[-1]["peak_act_MiB"],
                 })
-    paths = save_results("bench_pipeline", rows, out_dir=args.out,
-                         title="Pipeline bubble (stage 0) and peak activation memory per stage")
-    _plot(rows, paths["csv"].with_suffix(".png"))
+    bench.save("bench_pipeline", rows, args, title="Pipeline bubble (stage 0) and peak activation memory per stage")
 
-
-def _plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    fig, (ax1, ax2) = bench.subplots(1, 2, figsize=(10, 4))
     for p in sorted({r["p"] for r in rows}):
         for kind, style in (("gpipe", "o-"), ("1f1b", "s--")):
             sel = [r for r in rows if r["p"] == p and r["schedule"] == kind]
@@ -108,9 +90,8 @@ def _plot(rows: list[dict], path: Path) -> None:
             title="Activation memory")
     ax1.legend(fontsize=7)
     ax2.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    print(f"plot: {path}")
+    bench.save_figure(fig, "bench_pipeline", args)
+    return rows
 
 
 if __name__ == "__main__":

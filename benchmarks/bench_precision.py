@@ -1,35 +1,40 @@
-"""fp32 vs bf16 vs fp16 (with loss scaling): forward, backward and train-step time, and memory.
+"""Stage 2 benchmark: fp32 vs bf16 vs fp16 (with loss scaling) — forward, backward and train-step time, memory.
 
-    python benchmarks/bench_precision.py            # GPU: small/medium/large; CPU: tiny/mini
-    python benchmarks/bench_precision.py --smoke    # seconds, any machine
-    python benchmarks/bench_precision.py --presets small --contexts 256 1024 --out /tmp/results
+    python -m benchmarks.bench_precision                  # GPU: small/medium/large; CPU: tiny/mini
+    python -m benchmarks.bench_precision --smoke          # seconds, any machine (into bench-output/smoke/)
+    python -m benchmarks.bench_precision --presets small --contexts 256 1024 --out /tmp/results
+    python -m benchmarks.bench_precision --impl reference --save   # the committed benchmarks/results/ tables
 
-Per configuration: median milliseconds of a forward (graph built), of the backward (forward+backward
-minus forward) and of a full AdamW step through ``mixed_precision_train_step``; on CUDA the peak
-memory of an inference forward and of a train step (Stage 1's ``peak_memory``); everywhere the bytes
-autograd saves for backward, measured and counted analytically. Writes
-``precision.{csv,json,md}`` and ``precision.png`` under ``--out``.
+Run it from the repository root. Per configuration, with Stage 1's ``time_fn`` (median and standard
+deviation over the timed calls, after warm-up calls):
+
+* ``forward`` — a forward that builds the autograd graph, under autocast for bf16/fp16;
+* ``backward`` — timed directly: the backward of one retained graph (``retain_graph=True``, gradients set
+  to None after each call so every call allocates them as a training step does), not the difference
+  of two noisy timings;
+* ``train_step`` — a full AdamW step through ``mixed_precision_train_step``; its TFLOP/s on model FLOPs
+  (``kit.flops.transformer_flops``) and, on a GPU the kit knows, MFU.
+
+``spread`` names every phase whose standard deviation exceeds its mean: that row's time is noise, not a
+measurement (a loaded machine, too few calls). Memory: on CUDA the peak of an inference forward and of a
+train step (``step_peak_memory``); everywhere the bytes autograd saves for backward, measured and counted
+analytically. Writes ``precision.{md,csv,json,png}`` into ``bench-output/`` unless ``--out DIR`` or
+``--save`` (full reference runs only) says otherwise.
 """
 
 from __future__ import annotations
 
-import argparse
-import sys
-from pathlib import Path
-
-# Run as `python benchmarks/<name>.py`: the kit lives one folder up.
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 import torch
-from tqdm import tqdm
 
 import kit  # noqa: F401 — sets TRITON_INTERPRET before anything imports triton
+from kit import bench
 from kit.data import random_batch
+from kit.flops import peak_flops, transformer_flops
 from kit.impl import load
 from kit.model import TransformerLM, cross_entropy, get_config, make_optimizer
-from kit.results import RESULTS_DIR, save_results
 
 MiB = 2**20
+PHASES = ("forward", "backward", "train_step")
 
 
 def run_one(impl, preset: str, context: int, batch: int, dtype_name: str, device: torch.device,
@@ -50,45 +55,74 @@ def run_one(impl, preset: str, context: int, batch: int, dtype_name: str, device
             logits = model(inputs)
         return cross_entropy(logits, targets)
 
-    def forward_backward() -> None:
-        loss = forward()
-        (scaler.scale(loss) if scaler else loss).backward()
+    # One graph, built outside the timed region; each timed call runs its whole backward again.
+    loss = forward()
+    scaled = scaler.scale(loss) if scaler else loss
+
+    def backward() -> None:
+        scaled.backward(retain_graph=True)
         model.zero_grad(set_to_none=True)
 
     def train_step() -> None:
         precision.mixed_precision_train_step(model, (inputs, targets), optimizer, dtype=dtype, scaler=scaler)
 
-    # Medians: robust to the odd slow call on a shared machine.
-    fwd = time_fn(forward, warmup=warmup, iters=iters).median
-    fwd_bwd = time_fn(forward_backward, warmup=warmup, iters=iters).median
-    step = time_fn(train_step, warmup=warmup, iters=iters).median
+    timing = {name: time_fn(fn, warmup=warmup, iters=iters)
+              for name, fn in (("forward", forward), ("backward", backward), ("train_step", train_step))}
+    loss = scaled = None  # free the retained graph before measuring memory
     saved = precision.saved_activation_bytes(forward)
     est = precision.activation_memory_estimate(config, batch, context, dtype, device_type=device.type)
-    row = {
-        "preset": preset, "context": context, "batch": batch, "dtype": dtype_name + ("+scaler" if scaler else ""),
-        # backward = (forward+backward) − forward: noisy when the two timings are noisy.
-        "forward_ms": 1e3 * fwd, "fwd_bwd_ms": 1e3 * fwd_bwd, "backward_ms": 1e3 * (fwd_bwd - fwd),
-        "train_step_ms": 1e3 * step,
+    achieved = transformer_flops(config, batch, context, "train_step") / timing["train_step"].median
+    peak = peak_flops(torch.cuda.get_device_name(0), dtype_name) if device.type == "cuda" else None
+    row = {"preset": preset, "context": context, "batch": batch, "dtype": dtype_name + ("+scaler" if scaler else "")}
+    for name, t in timing.items():
+        row[f"{name}_ms"] = 1e3 * t.median
+        row[f"{name}_std_ms"] = 1e3 * t.std
+    row.update({
+        "spread": ", ".join(name for name, t in timing.items() if t.std > t.mean) or "ok",
+        "train_tflops": achieved / 1e12, "mfu": achieved / peak if peak else None,
         "saved_MiB": saved / MiB, "estimate_MiB": est["total"] / MiB,
         "peak_forward_MiB": None, "peak_train_MiB": None,
-    }
+    })
     if device.type == "cuda":
         row["peak_forward_MiB"] = precision.step_peak_memory(model, (inputs, targets), dtype=dtype,
                                                              mode="forward") / MiB
         row["peak_train_MiB"] = precision.step_peak_memory(model, (inputs, targets), dtype=dtype, mode="train_step",
                                                            optimizer=optimizer, scaler=scaler) / MiB
-    if device.type == "cuda":
         torch.cuda.empty_cache()
     return row
 
 
-def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
+def main(argv: list[str] | None = None) -> list[dict]:
+    on_gpu = torch.cuda.is_available()
+    p = bench.parser(__doc__)
+    p.add_argument("--presets", nargs="+", default=None)
+    p.add_argument("--contexts", nargs="+", type=int, default=None)
+    p.add_argument("--batch", type=int, default=None)
+    p.add_argument("--dtypes", nargs="+", default=["fp32", "bf16", "fp16"])
+    p.add_argument("--warmup", type=int, default=None, help="untimed calls before each timing")
+    p.add_argument("--iters", type=int, default=None, help="timed calls (median and std)")
+    args = bench.parse(p, argv)
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    if args.smoke:
+        presets, contexts, batch, warmup, iters = ["tiny"], [16], 1, 1, 2
+    elif on_gpu:
+        presets, contexts, batch, warmup, iters = ["small", "medium", "large"], [256, 512, 1024], 4, 5, 20
+    else:
+        presets, contexts, batch, warmup, iters = ["tiny", "mini"], [64, 256], 2, 3, 7
+    presets, contexts, batch = args.presets or presets, args.contexts or contexts, args.batch or batch
+    warmup, iters = args.warmup or warmup, args.iters or iters
+    device = torch.device("cuda" if on_gpu else "cpu")
+    impl = load(args.impl)
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    configs = [(p_, c, d) for p_ in presets for c in contexts for d in args.dtypes]
+    rows = [run_one(impl, preset, context, batch, dtype, device, warmup, iters)
+            for preset, context, dtype in bench.progress(configs, "precision")]
+    columns = ["preset", "context", "batch", "dtype"] + [f"{n}{s}" for n in PHASES for s in ("_ms", "_std_ms")] + [
+        "spread", "train_tflops", "mfu", "saved_MiB", "estimate_MiB", "peak_forward_MiB", "peak_train_MiB"]
+    bench.save("precision", rows, args, columns=columns,
+               title=f"Mixed precision: median time ({warmup} warm-up + {iters} timed calls) and memory")
+
+    fig, axes = bench.subplots(1, 2, figsize=(11, 4))
     for dtype in dict.fromkeys(r["dtype"] for r in rows):
         for preset in dict.fromkeys(r["preset"] for r in rows):
             sel = [r for r in rows if r["dtype"] == dtype and r["preset"] == preset]
@@ -100,43 +134,9 @@ def plot(rows: list[dict], path: Path) -> None:
                 xscale="log", yscale="log")
     for ax in axes:
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def main(argv: list[str] | None = None) -> int:
-    on_gpu = torch.cuda.is_available()
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--smoke", action="store_true", help="tiny sizes, a few seconds")
-    parser.add_argument("--out", type=Path, default=RESULTS_DIR)
-    parser.add_argument("--presets", nargs="+", default=None)
-    parser.add_argument("--contexts", nargs="+", type=int, default=None)
-    parser.add_argument("--batch", type=int, default=None)
-    parser.add_argument("--dtypes", nargs="+", default=["fp32", "bf16", "fp16"])
-    parser.add_argument("--impl", default=None, help="student or reference (default: $LLMSYS_IMPL or student)")
-    args = parser.parse_args(argv)
-
-    if args.smoke:
-        presets, contexts, batch, warmup, iters = ["tiny"], [16], 1, 1, 1
-    elif on_gpu:
-        presets, contexts, batch, warmup, iters = ["small", "medium", "large"], [256, 512, 1024], 4, 3, 10
-    else:
-        presets, contexts, batch, warmup, iters = ["tiny", "mini"], [64, 256], 2, 1, 3
-    presets = args.presets or presets
-    contexts = args.contexts or contexts
-    batch = args.batch or batch
-    device = torch.device("cuda" if on_gpu else "cpu")
-    impl = load(args.impl)
-
-    configs = [(p, c, d) for p in presets for c in contexts for d in args.dtypes]
-    rows = []
-    for preset, context, dtype in tqdm(configs, desc="precision", unit="config"):
-        rows.append(run_one(impl, preset, context, batch, dtype, device, warmup, iters))
-    paths = save_results("precision", rows, out_dir=args.out, title="Mixed precision: time and memory")
-    plot(rows, paths["csv"].with_suffix(".png"))
-    return 0
+    bench.save_figure(fig, "precision", args)
+    return rows
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -1,9 +1,11 @@
-"""Per-rank memory and step time of ZeRO-1: unsharded AdamW, this ShardedOptimizer, torch's ZeroRedundancyOptimizer.
+"""Stage 5 benchmark: per-rank memory and step time of unsharded AdamW, ShardedOptimizer, ZeroRedundancyOptimizer.
 
-    python benchmarks/bench_zero.py                       # CPU: 2 and 3 gloo ranks; GPUs: NCCL on 2 … all GPUs
-    python benchmarks/bench_zero.py --smoke               # seconds, any machine
-    python benchmarks/bench_zero.py --world-sizes 2 4 --d-model 512 --layers 8
+    python -m benchmarks.bench_zero                       # CPU: 2 and 3 gloo ranks; GPUs: NCCL on 2 … all GPUs
+    python -m benchmarks.bench_zero --smoke               # seconds, any machine (into bench-output/smoke/)
+    python -m benchmarks.bench_zero --world-sizes 2 4 --d-model 512 --layers 8
+    python -m benchmarks.bench_zero --impl reference --save   # the committed benchmarks/results/ tables
 
+Run it from the repository root.
 Every rank trains the same kit Transformer on the same batch, so gradients agree without any gradient
 communication: the step time is the optimizer's alone (the local update plus sending the updated
 parameters). For each optimizer and world size, per rank (the largest rank is reported):
@@ -17,37 +19,29 @@ parameters). For each optimizer and world size, per rank (the largest rank is re
   state). On CUDA: ``torch.cuda.max_memory_allocated`` after resetting the peak at each phase. On a CPU,
   where the allocator keeps no statistics: the tensors live at the start of the phase plus the highest
   running total of the allocations ``torch.profiler(profile_memory=True)`` recorded during it;
-* ``step_ms`` — median ``optimizer.step()`` time, each step started together (barrier) and the slowest
-  rank counting. The three optimizers are timed in interleaved rounds, so background load hits each
-  of them alike.
+* ``step_ms`` — median ``optimizer.step()`` time, each step timed with ``kit.bench.step_time`` (all ranks
+  start together; the slowest rank counts). The three optimizers are timed in interleaved rounds, so
+  background load hits each of them alike.
 
 Goals (handout 05 §5): the largest rank's state within 5% of (unsharded state)/N plus one parameter's
 state (``state_goal``), and ShardedOptimizer's step within 10% of ZeroRedundancyOptimizer's
-(``vs_torch_zero``). Writes ``zero.{csv,json,md}`` and ``zero.png`` under ``--out``.
+(``vs_torch_zero``). Writes ``zero.{md,csv,json,png}`` into ``bench-output/`` unless ``--out DIR`` or
+``--save`` (full reference runs only) says otherwise.
 """
 
 from __future__ import annotations
 
-import argparse
 import statistics
-import sys
-import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-# Run as `python benchmarks/<name>.py`: the kit lives one folder up.
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 import torch
-import torch.distributed as dist
-from tqdm import tqdm
 
 import kit  # noqa: F401 — sets TRITON_INTERPRET before anything imports triton
+from kit import bench
 from kit.data import random_batch
 from kit.impl import load
 from kit.model import ModelConfig, TransformerLM, cross_entropy
-from kit.results import RESULTS_DIR, save_results
 from kit.spawn import rank_device, run_on_ranks
 
 OPTIMIZERS = ("AdamW", "ShardedOptimizer", "ZeroRedundancyOptimizer")
@@ -56,11 +50,6 @@ MB = 2**20
 COLUMNS = ["world_size", "optimizer", "params_m", "state_mb", "predicted_state_mb", "state_vs_predicted",
            "state_goal", "model_mb", "peak_build_mb", "peak_fwd_bwd_mb", "peak_step_mb", "step_ms",
            "vs_torch_zero"]
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
 
 
 def _tensor_bytes(tensors) -> int:
@@ -85,10 +74,10 @@ def _model_state_bytes(model: torch.nn.Module, local_optimizer: torch.optim.Opti
 def _phase_peak(fn: Callable[[], Any], device: torch.device, live_before: int) -> tuple[Any, int]:
     """Run ``fn``; return its value and the peak bytes allocated while it ran (see the module docstring)."""
     if device.type == "cuda":
-        _sync(device)
+        torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         value = fn()
-        _sync(device)
+        torch.cuda.synchronize(device)
         return value, torch.cuda.max_memory_allocated(device)
     from torch.profiler import ProfilerActivity, profile
 
@@ -122,25 +111,16 @@ def _build(name: str, impl: Any, cfg: ModelConfig, device: torch.device):
     return model, optimizer, local
 
 
-def _interleaved_step_times(steps: dict[str, Callable[[], Any]], device: torch.device, warmup: int,
-                            iters: int) -> dict[str, list[float]]:
+def _interleaved_step_times(steps: dict[str, Callable[[], Any]], warmup: int, iters: int) -> dict[str, list[float]]:
     """Seconds per call of each step function, timed in rounds (A, B, C, A, B, C, …) so that every
-    optimizer sees the same background load; each call starts together on all ranks (barrier) and the
-    slowest rank's time counts."""
+    optimizer sees the same background load; each call is timed across the ranks by ``bench.step_time``."""
     for _ in range(warmup):
         for step in steps.values():
             step()
     times: dict[str, list[float]] = {name: [] for name in steps}
     for _ in range(iters):
         for name, step in steps.items():
-            _sync(device)
-            dist.barrier()
-            start = time.perf_counter()
-            step()
-            _sync(device)
-            elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=device)
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-            times[name].append(float(elapsed.item()))
+            times[name].append(bench.step_time(step))
     return times
 
 
@@ -176,35 +156,9 @@ def measure_rank(impl_name: str, config: dict, batch_size: int, optimizers: list
         model, optimizer, _ = _build(name, impl, cfg, device)
         forward_backward(model)
         steps[name] = optimizer.step
-    times = _interleaved_step_times(steps, device, warmup, iters)
+    times = _interleaved_step_times(steps, warmup, iters)
     for row in rows:
         row["step_ms"] = 1e3 * statistics.median(times[row["optimizer"]])
-    return rows
-
-
-def state_by_group_size(impl_name: str, config: dict, group_sizes: list[int]) -> list[dict]:
-    """Run in every rank: ShardedOptimizer over the first N ranks for each N, one spawn for all N.
-
-    Returns, for each N this rank takes part in, its optimizer-state and model-state bytes after one step.
-    (The notebook uses it to draw per-rank memory against world size.)
-    """
-    impl = load(impl_name)
-    device = rank_device()
-    cfg = ModelConfig(**config)
-    x, y = random_batch(1, cfg.context_length, cfg.vocab_size, device=device, seed=0)
-    rows = []
-    for n in group_sizes:
-        group = dist.new_group(list(range(n)))  # every rank calls new_group, members or not
-        if dist.get_rank() >= n:
-            continue
-        torch.manual_seed(0)
-        model = TransformerLM(cfg).to(device)
-        optimizer = impl.zero.ShardedOptimizer(model.parameters(), torch.optim.AdamW, process_group=group, **ADAMW)
-        cross_entropy(model(x), y).backward()
-        optimizer.step()
-        rows.append({"world_size": n, "rank": dist.get_rank(), "params": model.num_parameters(),
-                     "state_bytes": impl.zero.optimizer_state_bytes(optimizer.local_optimizer),
-                     "model_bytes": _model_state_bytes(model, optimizer.local_optimizer)})
     return rows
 
 
@@ -236,13 +190,44 @@ def summarize(per_rank: list[list[dict]], world_size: int, impl_name: str) -> li
     return rows
 
 
-def plot(rows: list[dict], path: Path, title: str) -> None:
-    import matplotlib
+def main(argv: list[str] | None = None) -> list[dict]:
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    p = bench.parser(__doc__)
+    p.add_argument("--world-sizes", nargs="+", type=int, default=None,
+                   help="rank counts (default: 2 and 3 on a CPU; 2 … all GPUs, doubling, on GPUs)")
+    p.add_argument("--d-model", type=int, default=None)
+    p.add_argument("--layers", type=int, default=None)
+    p.add_argument("--iters", type=int, default=None)
+    args = bench.parse(p, argv)
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    if args.smoke:
+        d_model, layers, vocab, ctx, batch, warmup, iters, world_sizes = 64, 2, 256, 32, 2, 1, 3, [2]
+    elif gpus >= 2:
+        d_model, layers, vocab, ctx, batch, warmup, iters = 1024, 16, 32000, 512, 4, 3, 20
+        world_sizes = [w for w in (2, 4, 8, 16) if w <= gpus]
+    else:
+        d_model, layers, vocab, ctx, batch, warmup, iters, world_sizes = 256, 4, 4096, 64, 2, 2, 15, [2, 3]
+    d_model, layers = args.d_model or d_model, args.layers or layers
+    iters = args.iters or iters
+    world_sizes = args.world_sizes or world_sizes
+    heads = max(1, d_model // 64)
+    config = {"vocab_size": vocab, "context_length": ctx, "d_model": d_model, "d_ff": 4 * d_model,
+              "num_layers": layers, "num_heads": heads}
 
-    fig, (ax_mem, ax_time) = plt.subplots(1, 2, figsize=(11, 4))
+    rows: list[dict] = []
+    backends = set()
+    for world_size in bench.progress(world_sizes, "zero", unit="world size"):
+        backend = "nccl" if gpus >= world_size else "gloo"
+        backends.add(backend)
+        per_rank = run_on_ranks(measure_rank, world_size,
+                                args=(args.impl, config, batch, list(OPTIMIZERS), warmup, iters),
+                                timeout=1200, backend=backend)
+        rows += summarize(per_rank, world_size, args.impl)
+    title = (f"ZeRO-1, {', '.join(sorted(backends))}: Transformer d_model={d_model}, {layers} layers, "
+             f"vocab {vocab} ({rows[0]['params_m']:.2f} M params, fp32 AdamW)")
+    bench.save("zero", rows, args, columns=COLUMNS, title=title)
+
+    fig, (ax_mem, ax_time) = bench.subplots(1, 2, figsize=(11, 4))
     world_sizes = sorted({r["world_size"] for r in rows})
     width = 0.8 / len(OPTIMIZERS)
     colors = {"AdamW": "#4c72b0", "ShardedOptimizer": "#dd8452", "ZeroRedundancyOptimizer": "#55a868"}
@@ -259,55 +244,9 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
         ax.set_ylabel(ylabel)
         ax.legend(fontsize=7)
     fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def main(argv: list[str] | None = None) -> int:
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--smoke", action="store_true", help="tiny sizes, a few seconds")
-    parser.add_argument("--out", type=Path, default=RESULTS_DIR)
-    parser.add_argument("--world-sizes", nargs="+", type=int, default=None,
-                        help="rank counts (default: 2 and 3 on a CPU; 2 … all GPUs, doubling, on GPUs)")
-    parser.add_argument("--d-model", type=int, default=None)
-    parser.add_argument("--layers", type=int, default=None)
-    parser.add_argument("--iters", type=int, default=None)
-    parser.add_argument("--impl", default=None, help="student or reference (default: $LLMSYS_IMPL or student)")
-    args = parser.parse_args(argv)
-
-    if args.smoke:
-        d_model, layers, vocab, ctx, batch, warmup, iters, world_sizes = 64, 2, 256, 32, 2, 1, 3, [2]
-    elif gpus >= 2:
-        d_model, layers, vocab, ctx, batch, warmup, iters = 1024, 16, 32000, 512, 4, 3, 20
-        world_sizes = [w for w in (2, 4, 8, 16) if w <= gpus]
-    else:
-        d_model, layers, vocab, ctx, batch, warmup, iters, world_sizes = 256, 4, 4096, 64, 2, 2, 15, [2, 3]
-    d_model, layers = args.d_model or d_model, args.layers or layers
-    iters = args.iters or iters
-    world_sizes = args.world_sizes or world_sizes
-    heads = max(1, d_model // 64)
-    config = {"vocab_size": vocab, "context_length": ctx, "d_model": d_model, "d_ff": 4 * d_model,
-              "num_layers": layers, "num_heads": heads}
-    impl_name = load(args.impl).package
-
-    rows: list[dict] = []
-    backends = set()
-    for world_size in tqdm(world_sizes, desc="zero", unit="world size"):
-        backend = "nccl" if gpus >= world_size else "gloo"
-        backends.add(backend)
-        per_rank = run_on_ranks(measure_rank, world_size,
-                                args=(impl_name, config, batch, list(OPTIMIZERS), warmup, iters),
-                                timeout=1200, backend=backend)
-        rows += summarize(per_rank, world_size, impl_name)
-    title = (f"ZeRO-1, {', '.join(sorted(backends))}: Transformer d_model={d_model}, {layers} layers, "
-             f"vocab {vocab} ({rows[0]['params_m']:.2f} M params, fp32 AdamW), impl={impl_name}")
-    paths = save_results("zero", rows, out_dir=args.out, columns=COLUMNS, title=title)
-    plot(rows, paths["json"].with_suffix(".png"), title)
-    print(f"\nplot: {paths['json'].with_suffix('.png')}")
-    return 0
+    bench.save_figure(fig, "zero", args)
+    return rows
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    main()

@@ -1,51 +1,120 @@
-"""FLOP counts and accelerator peaks, for model FLOP utilisation (MFU) in the benchmarks.
+"""Model FLOPs and accelerator peaks: the one FLOP convention of the kit, for TFLOP/s and MFU.
 
-MFU = achieved model FLOP/s ÷ the device's dense peak for the dtype. "Model FLOPs" count the maths the
-model needs, not what a kernel happened to execute (recomputation does not count), following PaLM
-(Chowdhery et al. 2022, appendix B): per token, a train step costs 6·N for the weights (2 forward,
-4 backward) plus 12·L·d·T for attention scores and their use (non-causal count).
+MFU = model FLOPs per second ÷ the device's dense peak for the dtype. **Model FLOPs** count the
+matmul maths the model needs, once, whatever a kernel happens to execute:
+
+* the weights: 2 FLOPs per parameter per token forward (one multiply-add), twice that backward
+  (input and weight gradients), so 6·N per token for a train step — N the non-embedding parameters,
+  LM head included (embedding lookups are not matmuls);
+* attention: the two matmuls q·kᵀ and P·v, 4·Nq·Nk·D per batch·head forward, counting only the
+  **causal half** (Nq·Nk/2 score pairs) when the attention is causal. For the kit's causal
+  Transformer that is 2·L·d·T per token forward and 6·L·d·T per token for a train step;
+* backward = 2 × forward, forward+backward = 3 × forward, for the weights and attention alike;
+* not counted: recomputation (activation checkpointing, FlashAttention recomputing P), softmax,
+  norms, element-wise work and the optimizer.
+
+How it differs from the two common alternatives:
+
+* PaLM (Chowdhery et al. 2022, appendix B) counts 6·N + 12·L·d·T per token: the full T × T score
+  matrix, as if attention were not causal. For the same run its MFU is ours × (1 + 6·L·d·T / (6·N +
+  6·L·d·T)) — the same for short contexts, up to 2× ours when attention dominates.
+* The 6·N rule (Kaplan et al. 2020) leaves attention out: it undercounts long contexts.
+* FlashAttention papers and the Triton tutorial report backward TFLOP/s on 2.5 × the forward
+  (the recomputation of P counted): their backward and forward+backward TFLOP/s are 1.25× and
+  3.5/3 ≈ 1.17× ours for the same time. The benchmarks report what a design actually executes in a
+  separate column (``bench_attention``'s ``executed_tflop``).
+
+Everything that reports TFLOP/s or MFU (benchmarks, notebooks, handout chapters 01 and 03) uses
+:func:`transformer_flops` and :func:`attention_flops`.
 """
 
 from __future__ import annotations
 
 from .model import ModelConfig
 
-# Dense (no sparsity) peak throughput in FLOP/s from the vendors' data sheets, by dtype.
-# fp32 means plain fp32 (no TF32), which is what the kit asks of its fp32 matmuls.
+# Dense (no 2:4 sparsity) peak throughput in FLOP/s by dtype, and HBM bandwidth in bytes/s. Data sheets
+# quote tensor-core figures with sparsity; the dense figure is half of that. fp32 means plain fp32 (no
+# TF32), which is what the kit asks of its fp32 matmuls. The first key contained in the device name wins,
+# so specific variants come before the generic name.
+#   H100: NVIDIA H100 Tensor Core GPU data sheet (SXM and PCIe columns).
+#   H200: NVIDIA H200 Tensor Core GPU data sheet (SXM and NVL columns).
+#   B200: NVIDIA HGX B200 data sheet, per GPU (÷ 8). Its plain-fp32 figure differs between revisions of
+#         the data sheet (75–80 TFLOP/s), so it is left out: fp32 MFU on a B200 is not reported.
+#   GB200: NVIDIA GB200 NVL72 data sheet, per GPU (÷ 72).
 PEAK_FLOPS: dict[str, dict[str, float]] = {
-    "H200": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},
-    "H100": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},  # SXM; PCIe is ~756e12 bf16
+    "GB200": {"bf16": 2.5e15, "fp16": 2.5e15, "fp8": 5e15, "fp32": 90e12},
+    "B200": {"bf16": 2.25e15, "fp16": 2.25e15, "fp8": 4.5e15},
+    "H200 NVL": {"bf16": 835e12, "fp16": 835e12, "fp8": 1670e12, "fp32": 60e12},
+    "H200": {"bf16": 989e12, "fp16": 989e12, "fp8": 1979e12, "fp32": 67e12},
+    "H100 PCIe": {"bf16": 756e12, "fp16": 756e12, "fp8": 1513e12, "fp32": 51e12},
+    "H100": {"bf16": 989e12, "fp16": 989e12, "fp8": 1979e12, "fp32": 67e12},  # SXM
     "A100": {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12},
     "L4": {"bf16": 121e12, "fp16": 121e12, "fp32": 30e12},
     "RTX 4090": {"bf16": 165e12, "fp16": 165e12, "fp32": 82.6e12},
     "V100": {"fp16": 125e12, "fp32": 15.7e12},
 }
+HBM_BANDWIDTH: dict[str, float] = {
+    "GB200": 8e12, "B200": 8e12, "H200 NVL": 4.8e12, "H200": 4.8e12, "H100 PCIe": 2.0e12, "H100": 3.35e12,
+}
 
-MODE_MULTIPLIER = {"forward": 1.0, "forward_backward": 3.0, "train_step": 3.0}
+# Multiples of the forward pass: backward = 2 × forward (gradients w.r.t. inputs and weights).
+MODE_MULTIPLIER = {"forward": 1.0, "backward": 2.0, "forward_backward": 3.0, "train_step": 3.0}
+
+
+def _lookup(table: dict, device_name: str):
+    if not isinstance(device_name, str):
+        raise TypeError(f"device_name must be a str, got {type(device_name).__name__}")
+    return next((value for key, value in table.items() if key.lower() in device_name.lower()), None)
 
 
 def peak_flops(device_name: str, dtype: str) -> float | None:
-    """Dense peak FLOP/s for a device name (as ``torch.cuda.get_device_name`` prints it), or None if unknown."""
-    for key, table in PEAK_FLOPS.items():
-        if key.lower() in device_name.lower():
-            return table.get(dtype)
-    return None
+    """Dense peak FLOP/s for a device name (as ``torch.cuda.get_device_name`` prints it) and a dtype
+    (``"bf16"``, ``"fp16"``, ``"fp8"``, ``"fp32"``), or None when unknown."""
+    table = _lookup(PEAK_FLOPS, device_name)
+    return None if table is None else table.get(dtype)
+
+
+def memory_bandwidth(device_name: str) -> float | None:
+    """HBM bandwidth in bytes/s for a device name, or None when unknown."""
+    return _lookup(HBM_BANDWIDTH, device_name)
+
+
+def _check_mode(mode: str) -> float:
+    if mode not in MODE_MULTIPLIER:
+        raise ValueError(f"mode must be one of {sorted(MODE_MULTIPLIER)}, got {mode!r}")
+    return MODE_MULTIPLIER[mode]
+
+
+def attention_flops(batch_heads: int, nq: int, nk: int, head_dim: int, *, causal: bool, mode: str) -> float:
+    """Model FLOPs of one attention call on ``batch_heads`` independent (Nq × D, Nk × D) problems.
+
+    Forward: q·kᵀ and P·v, 2·Nq·Nk·D each, so 4·BH·Nq·Nk·D, halved when ``causal`` (the causal half of
+    the score matrix). ``mode``: ``"forward"`` (1×), ``"backward"`` (2×) or ``"forward_backward"`` (3×).
+    """
+    for name, value in (("batch_heads", batch_heads), ("nq", nq), ("nk", nk), ("head_dim", head_dim)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    forward = 4.0 * batch_heads * nq * nk * head_dim * (0.5 if causal else 1.0)
+    return _check_mode(mode) * forward
 
 
 def transformer_flops(config: ModelConfig, batch_size: int, context_length: int, mode: str,
                       num_params: int | None = None) -> float:
-    """Model FLOPs for one forward (``mode="forward"``) or forward+backward (``"forward_backward"``,
-    ``"train_step"``) pass over ``batch_size × context_length`` tokens.
+    """Model FLOPs of the kit's (causal) Transformer over ``batch_size × context_length`` tokens.
 
-    ``num_params`` defaults to the non-embedding parameter count of ``config`` (embedding lookups are
-    not matmuls; the LM head is).
+    ``mode``: ``"forward"``, ``"backward"``, ``"forward_backward"`` or ``"train_step"`` (the optimizer is
+    not counted). ``num_params`` defaults to the non-embedding parameter count of ``config``, LM head
+    included. Per token: 2·N + 2·L·d·T forward, 6·N + 6·L·d·T for a train step.
     """
-    if mode not in MODE_MULTIPLIER:
-        raise ValueError(f"mode must be one of {sorted(MODE_MULTIPLIER)}, got {mode!r}")
+    if not isinstance(config, ModelConfig):
+        raise TypeError(f"config must be a ModelConfig, got {type(config).__name__}")
+    multiplier = _check_mode(mode)
     d, L = config.d_model, config.num_layers
     if num_params is None:
         per_layer = 4 * d * d + 3 * d * config.d_ff + 2 * d
         num_params = L * per_layer + d + d * config.vocab_size
     tokens = batch_size * context_length
-    forward = 2 * num_params * tokens + 4 * L * d * context_length * tokens
-    return MODE_MULTIPLIER[mode] * forward
+    heads = config.num_heads
+    attention = L * attention_flops(batch_size * heads, context_length, context_length, d // heads, causal=True,
+                                    mode="forward")
+    return multiplier * (2 * num_params * tokens + attention)

@@ -1,21 +1,38 @@
-"""Write benchmark results the same way everywhere: a markdown table on stdout, CSV + JSON under
-``benchmarks/results/``, each stamped with the device, library versions, date and the command line."""
+"""Write benchmark results the same way everywhere: a markdown table on stdout and ``<name>.{md,csv,json}``,
+each stamped with the device, library versions, date, implementation and the command line.
+
+Two folders: :data:`RESULTS_DIR` (``benchmarks/results/``) holds the committed tables, measured with the
+reference at full size; :data:`SCRATCH_DIR` (``bench-output/``, git-ignored) is where every other run
+writes. :mod:`kit.bench` decides which one a run may use.
+"""
 
 from __future__ import annotations
 
 import csv
 import datetime as dt
 import json
+import os
 import platform
 import shlex
 import sys
 from pathlib import Path
 
-RESULTS_DIR = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS_DIR = ROOT / "benchmarks" / "results"
+SCRATCH_DIR = ROOT / "bench-output"
 
 
-def environment() -> dict[str, str]:
-    """Device, versions, date and command: what a reader needs to trust or reproduce a number."""
+def command_line() -> str:
+    """The command that started this process, as typed: ``python -m benchmarks.bench_ddp --smoke``."""
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    program = f"-m {spec.name}" if spec is not None and spec.name else shlex.quote(sys.argv[0])
+    return f"python {program} " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+
+
+def environment(**extra: str) -> dict[str, str]:
+    """Device, versions, date and command (plus ``extra``, e.g. ``impl``): what a reader needs to trust or
+    reproduce a number."""
     import torch
 
     try:
@@ -28,13 +45,17 @@ def environment() -> dict[str, str]:
         device = f"{torch.cuda.get_device_name(0)} ×{torch.cuda.device_count()}"
     else:
         device = f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+    # CPU timings depend on what else runs: say how busy the machine was (1-minute load average).
+    load = f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores" if hasattr(os, "getloadavg") else "unknown"
     return {
         "device": device,
+        "load": load,
         "torch": torch.__version__,
         "triton": triton_version,
         "python": sys.version.split()[0],
+        **extra,
         "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "command": "python " + " ".join(shlex.quote(a) for a in sys.argv),
+        "command": command_line().strip(),
     }
 
 
@@ -53,18 +74,18 @@ def markdown_table(rows: list[dict], columns: list[str] | None = None) -> str:
     return "\n".join(lines)
 
 
-def save_results(name: str, rows: list[dict], *, out_dir: Path | None = None, columns: list[str] | None = None,
-                 title: str | None = None) -> dict[str, Path]:
-    """Print the table and write ``<name>.csv``, ``<name>.json`` and ``<name>.md``; return their paths."""
-    out_dir = Path(out_dir or RESULTS_DIR)
+def save_results(name: str, rows: list[dict], *, out_dir: Path, columns: list[str] | None = None,
+                 title: str | None = None, stamp: dict[str, str] | None = None) -> dict[str, Path]:
+    """Print the table and write ``<name>.csv``, ``<name>.json`` and ``<name>.md`` into ``out_dir``; return
+    their paths. ``stamp`` adds entries to the environment stamp."""
+    out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    env = environment()
+    env = environment(**(stamp or {}))
     table = markdown_table(rows, columns)
-    stamp = " · ".join(f"{k}: {v}" for k, v in env.items())
-    header = f"## {title or name}\n\n{stamp}\n\n"
+    header = f"## {title or name}\n\n" + " · ".join(f"{k}: {v}" for k, v in env.items()) + "\n\n"
     print(header + table)
     paths = {"csv": out_dir / f"{name}.csv", "json": out_dir / f"{name}.json", "md": out_dir / f"{name}.md"}
-    columns = columns or list(rows[0]) if rows else []
+    columns = columns or (list(rows[0]) if rows else [])
     with open(paths["csv"], "w", newline="") as f:
         f.write("".join(f"# {k}: {v}\n" for k, v in env.items()))
         w = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 import kit  # noqa: F401 — first: sets TRITON_INTERPRET on machines without CUDA
+from kit.flops import memory_bandwidth, peak_flops
 from kit.impl import load
 from kit.model import naive_attention
 from kit.results import RESULTS_DIR
@@ -124,7 +125,7 @@ plt.show()
 # the ridge point sits at ≈ 295 FLOP/byte.
 
 # %%
-peak, bandwidth = 989e12, 3.35e12
+peak, bandwidth = peak_flops("H100", "bf16"), memory_bandwidth("H100")  # kit/flops.py: 989e12, 3.35e12
 intensity = np.logspace(0, 3.5, 200)
 fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
 ax = axes[0]
@@ -157,12 +158,12 @@ if csv.exists():
            title=f"benchmarks/results ({stamp}), D={d_plot}, {dtype_plot}")
     ax.legend(fontsize=8)
 else:
-    ax.text(0.5, 0.5, "run benchmarks/bench_attention.py\nto fill this panel", ha="center", va="center")
+    ax.text(0.5, 0.5, "run python -m benchmarks.bench_attention\nto fill this panel", ha="center", va="center")
 fig.tight_layout()
 fig.savefig("03_roofline_and_benchmark.png", dpi=120)
 plt.show()
 
 # %% [markdown]
 # On a CPU the Triton kernels above ran in the interpreter, so their times say nothing about a GPU:
-# measure GPU figures on a GPU (`python benchmarks/bench_attention.py` there runs the full grid and the
-# leaderboard configuration).
+# measure GPU figures on a GPU (`python -m benchmarks.bench_attention` there runs the full grid and the
+# goal rows; `--goals` runs only the goal rows).

@@ -127,4 +127,4 @@ for alpha, beta in ((100e-6, 20e9), (20e-6, 20e9)):
           f"exposed {1e3 * exposed_comm(S, best, T, alpha, beta):.2f} ms")
 # %% [markdown]
 # Questions. (d) Why does the third curve never reach zero? (e) Estimate α and β for gloo on this machine
-# from `benchmarks/bench_collectives.py` and find the best bucket size for the benchmark's model.
+# from `python -m benchmarks.bench_collectives` and find the best bucket size for the benchmark's model.

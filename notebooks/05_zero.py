@@ -23,18 +23,11 @@
 #    and 4 ranks; the optimizer state each rank really holds, next to the prediction.
 
 # %%
-import sys
-from pathlib import Path
-
 import matplotlib.pyplot as plt
 
-import kit
+import kit  # noqa: F401 — sets TRITON_INTERPRET before anything imports triton
 from kit.impl import load
 from kit.spawn import run_on_ranks
-
-ROOT = Path(kit.__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # the benchmark module holds the function each rank runs
-from benchmarks.bench_zero import state_by_group_size  # noqa: E402
 
 impl = load()
 account = impl.zero.zero_memory_accounting
@@ -78,7 +71,8 @@ for n in (1, 4, 64, 1024):
 config = {"vocab_size": 2048, "context_length": 32, "d_model": 128, "d_ff": 512, "num_layers": 4,
           "num_heads": 4}
 group_sizes = [1, 2, 3, 4]
-per_rank = run_on_ranks(state_by_group_size, 4, args=(impl.package, config, group_sizes), timeout=300,
+# Each rank runs the given `zero.state_bytes_by_group_size`, which drives your ShardedOptimizer.
+per_rank = run_on_ranks(impl.zero.state_bytes_by_group_size, 4, args=(config, group_sizes), timeout=300,
                         backend="gloo")
 rows = [row for rank_rows in per_rank for row in rank_rows]
 params = rows[0]["params"]

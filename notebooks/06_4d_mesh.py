@@ -24,7 +24,6 @@ import matplotlib.pyplot as plt
 
 import kit  # noqa: F401 — first: sets TRITON_INTERPRET on CPU machines
 import kit.impl
-from kit.spawn import run_on_ranks
 
 impl = kit.impl.load()
 mesh, pp, acc, t4 = (impl.parallel.mesh, impl.parallel.pipeline_parallel, impl.parallel.accounting,
@@ -103,11 +102,9 @@ for kind, order_fn in (("gpipe", pp.gpipe_order), ("1f1b", pp.one_f_one_b_order)
 # point runs any mesh: `python -m student.parallel.train_4d --dp 2 --tp 2 --pp 2` uses 8 ranks.
 
 # %%
-from dataclasses import asdict  # noqa: E402
-
 cfg = t4.Train4DConfig(dp=1, tp=1, pp=2, ep=1, global_batch_size=8, micro_batch_size=2, grad_accum_steps=4,
                        steps=4, seq_len=16)
-results = run_on_ranks(t4._spawned, 2, args=({**asdict(cfg), "model": asdict(cfg.model)},), timeout=240)
+results = t4.train_on_ranks(cfg, timeout=240)
 losses = results[0]["losses"]
 print("loss per step:", [round(x, 4) for x in losses])
 fig, ax = plt.subplots(figsize=(5, 3))

@@ -31,6 +31,10 @@ import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
+from kit.data import random_batch
+from kit.model import ModelConfig, TransformerLM, cross_entropy
+from kit.spawn import rank_device
+
 __all__ = [
     "ShardedOptimizer",
     "ZeroMemory",
@@ -263,6 +267,35 @@ def optimizer_state_bytes(optimizer: Optimizer) -> int:
             if isinstance(value, torch.Tensor):
                 total += value.numel() * value.element_size()
     return total
+
+
+def state_bytes_by_group_size(model_config: dict, group_sizes: Sequence[int]) -> list[dict]:
+    """Per-rank bytes of a :class:`ShardedOptimizer` over the first N ranks, for each N in ``group_sizes``.
+
+    Given code (notebook 05 §3); run it on every rank of one spawn, e.g.
+    ``run_on_ranks(state_bytes_by_group_size, 4, args=(config, [1, 2, 3, 4]))``. For each N, ranks 0 … N−1
+    build the kit Transformer ``ModelConfig(**model_config)`` (same seed), run one AdamW step on one batch
+    and report ``{"world_size": N, "rank", "params", "state_bytes", "model_bytes"}``: the optimizer state
+    this rank holds, and its parameters + gradients + optimizer state.
+    """
+    cfg = ModelConfig(**model_config)
+    device = rank_device()
+    x, y = random_batch(1, cfg.context_length, cfg.vocab_size, device=device, seed=0)
+    rows = []
+    for n in group_sizes:
+        group = dist.new_group(list(range(n)))  # every rank calls new_group, members or not
+        if dist.get_rank() >= n:
+            continue
+        torch.manual_seed(0)
+        model = TransformerLM(cfg).to(device)
+        optimizer = ShardedOptimizer(model.parameters(), torch.optim.AdamW, process_group=group, lr=1e-3)
+        cross_entropy(model(x), y).backward()
+        optimizer.step()
+        state = optimizer_state_bytes(optimizer.local_optimizer)
+        weights = sum(t.numel() * t.element_size() for p in model.parameters() for t in (p, p.grad) if t is not None)
+        rows.append({"world_size": n, "rank": dist.get_rank(), "params": model.num_parameters(),
+                     "state_bytes": state, "model_bytes": weights + state})
+    return rows
 
 
 # ----------------------------------------------------------------------------------------------------

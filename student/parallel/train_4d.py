@@ -236,6 +236,19 @@ def _spawned(cfg_dict: dict) -> dict:
     return {"losses": out["losses"], "coords": out["coords"], "step_s": out["step_s"]}
 
 
+def train_on_ranks(cfg: Train4DConfig, *, timeout: float = 300.0) -> list[dict]:
+    """Start ``cfg.world_size`` gloo ranks on this machine and :func:`train` on them (given code).
+
+    Returns, by rank, ``{"losses": [...], "coords": {axis: index}, "step_s": [...]}``.
+    """
+    if not isinstance(cfg, Train4DConfig):
+        raise TypeError(f"cfg must be a Train4DConfig, got {type(cfg).__name__}")
+    from kit.spawn import run_on_ranks
+
+    cfg_dict = {**asdict(cfg), "model": asdict(cfg.model)}
+    return run_on_ranks(_spawned, cfg.world_size, args=(cfg_dict,), timeout=timeout, backend="gloo")
+
+
 def main(argv: list[str] | None = None) -> None:
     """Command line: under torchrun, join its process group; otherwise spawn the ranks on this CPU."""
     ap = argparse.ArgumentParser(description="Train a tiny MoE Transformer on a dp × tp × pp × ep mesh.")
@@ -262,10 +275,7 @@ def main(argv: list[str] | None = None) -> None:
             print(json.dumps({"losses": out["losses"], "step_s": out["step_s"]}))
         dist.destroy_process_group()
         return
-    from kit.spawn import run_on_ranks
-
-    cfg_dict = {**asdict(cfg), "model": asdict(cfg.model)}
-    results = run_on_ranks(_spawned, cfg.world_size, args=(cfg_dict,), timeout=300, backend="gloo")
+    results = train_on_ranks(cfg)
     for step, loss in enumerate(results[0]["losses"]):
         print(f"step {step}: loss {loss:.4f}  ({results[0]['step_s'][step] * 1e3:.0f} ms)")
 
