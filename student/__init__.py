@@ -1,3 +1,3 @@
-# Your work goes in this file. Generated from the kit's reference by `make student`.
+# Given code — read, don't edit. Generated from the kit's reference by `make student`.
 """Solutions to the six stages. Solution code sits between BEGIN/END SOLUTION markers; `make student`
 turns this package into the student stubs."""

@@ -15,6 +15,9 @@ from __future__ import annotations
 
 import math
 
+from kit.validate import choice, index, instance, positive_int, positive_number
+
+from ..zero import ZERO_STAGES, zero_memory_accounting
 from .expert_parallel import expert_capacity
 from .pipeline_parallel import split_layers
 from .train_4d import Train4DConfig
@@ -24,8 +27,7 @@ COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broa
 
 def _positive(**values: float) -> None:
     for name, value in values.items():
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-            raise ValueError(f"{name} must be a positive number, got {value!r}")
+        positive_number(name, value)
 
 
 def training_state_bytes(num_params: float, *, zero_stage: int = 0, dp: int = 1, param_bytes: int = 2,
@@ -33,18 +35,19 @@ def training_state_bytes(num_params: float, *, zero_stage: int = 0, dp: int = 1,
     """Bytes per device of weights, gradients and optimizer state for ``num_params`` parameters.
 
     ZeRO stage 0 replicates all three on each of the ``dp`` ranks; stage 1 shards the optimizer state,
-    stage 2 also the gradients, stage 3 also the weights (each sharded part divided by ``dp``).
-    Returns ``{"weights", "gradients", "optimizer", "total"}`` in bytes.
+    stage 2 also the gradients, stage 3 also the weights (each sharded part is ⌈Ψ/dp⌉ parameters).
+    This is Stage 5's :func:`~reference.zero.zero_memory_accounting` — the one ZeRO formula of the kit —
+    for ⌈num_params⌉ parameters, under this module's keys. Returns ``{"weights", "gradients",
+    "optimizer", "total"}`` in bytes.
     """
-    _positive(num_params=num_params, dp=dp)
-    if zero_stage not in (0, 1, 2, 3):
-        raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}")
-    # BEGIN SOLUTION divide the optimizer state (stage ≥ 1), gradients (≥ 2) and weights (3) by dp (handout 06 §6.1)
-    weights = num_params * param_bytes / (dp if zero_stage >= 3 else 1)
-    gradients = num_params * grad_bytes / (dp if zero_stage >= 2 else 1)
-    optimizer = num_params * optimizer_bytes / (dp if zero_stage >= 1 else 1)
-    return {"weights": weights, "gradients": gradients, "optimizer": optimizer,
-            "total": weights + gradients + optimizer}
+    positive_number("num_params", num_params)
+    positive_int("dp", dp)
+    choice("zero_stage", zero_stage, ZERO_STAGES)
+    # BEGIN SOLUTION Stage 5's zero_memory_accounting, its fields under this module's keys (handout 06 §6.1)
+    zero = zero_memory_accounting(math.ceil(num_params), dp, zero_stage, param_bytes=param_bytes,
+                                  grad_bytes=grad_bytes, optimizer_bytes_per_param=optimizer_bytes)
+    return {"weights": zero.param_bytes, "gradients": zero.grad_bytes, "optimizer": zero.optimizer_bytes,
+            "total": zero.total_bytes}
     # END SOLUTION
 
 
@@ -150,10 +153,8 @@ def comm_volume_per_step(cfg: Train4DConfig, stage: int) -> dict[tuple[str, str]
     * ``dp_ep``: the dense gradients all-reduced once per step, plus the reported loss (one float);
       ``dp``: the expert gradients.
     """
-    if not isinstance(cfg, Train4DConfig):
-        raise TypeError(f"cfg must be a Train4DConfig, got {type(cfg).__name__}")
-    if not isinstance(stage, int) or not 0 <= stage < cfg.pp:
-        raise ValueError(f"stage must be an int in [0, pp={cfg.pp}), got {stage!r}")
+    instance("cfg", cfg, Train4DConfig, "a Train4DConfig")
+    index("stage", stage, cfg.pp)  # a pipeline stage
     fp32 = 4
     b, t, d, m = cfg.micro_batch_size, cfg.seq_len, cfg.model.d_model, cfg.grad_accum_steps
     start, end = split_layers(cfg.model.num_layers, cfg.pp)[stage]
