@@ -78,6 +78,10 @@ def time_all_reduce(size_bytes: int, *, warmup: int = 3, iters: int = 10) -> flo
     # END SOLUTION
 
 
+# ------------------------------------------------------------------------------------------------------
+# Given: the benchmark driver. It spawns the ranks and calls your time_all_reduce for every size.
+
+
 def _benchmark_on_rank(sizes_bytes: list[int], warmup: int, iters: int) -> list[float]:
     return [time_all_reduce(size, warmup=warmup, iters=iters) for size in sizes_bytes]
 

@@ -132,21 +132,6 @@ def microbatches(cfg: Train4DConfig, step: int, shard: int) -> list[tuple[torch.
     # END SOLUTION
 
 
-def _device(cfg: Train4DConfig) -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if cfg.device_type == "cuda" else torch.device("cpu")
-
-
-class _Params(nn.Module):
-    """Holds a subset of a stage's parameters (the same tensors) so a DDP wrapper can own just those."""
-
-    def __init__(self, params: list[nn.Parameter]):
-        super().__init__()
-        self.params = nn.ParameterList(params)
-
-    def forward(self) -> None:  # the pipeline runs the real forward; DDP only needs to be told (see _sync)
-        return None
-
-
 @dataclass
 class Parallelized:
     """This rank's share of the model: its pipeline stage and the DDP wrappers of its gradients."""
@@ -238,21 +223,6 @@ def make_train_optimizer(part: Parallelized, cfg: Train4DConfig, mesh) -> torch.
     return _Optimizers(optimizers)
 
 
-class _Optimizers:
-    """Several optimizers stepped as one."""
-
-    def __init__(self, optimizers: list[torch.optim.Optimizer]):
-        self.optimizers = optimizers
-
-    def step(self) -> None:
-        for opt in self.optimizers:
-            opt.step()
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for opt in self.optimizers:
-            opt.zero_grad(set_to_none=set_to_none)
-
-
 def train(cfg: Train4DConfig, mesh=None, *, step_callback=None) -> dict:
     """Train ``cfg.steps`` steps on this rank; call on every rank of a ``cfg.world_size`` process group.
 
@@ -273,6 +243,40 @@ def train(cfg: Train4DConfig, mesh=None, *, step_callback=None) -> dict:
         times.append(time.perf_counter() - t0)
     params = {n: p.detach().cpu().clone() for n, p in part.stage.named_parameters()}
     return {"losses": losses, "params": params, "coords": part.coords, "step_s": times}
+
+
+# ------------------------------------------------------------------------------------------------------
+# Given helpers and the command line: read them, no need to change them.
+
+
+def _device(cfg: Train4DConfig) -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if cfg.device_type == "cuda" else torch.device("cpu")
+
+
+class _Params(nn.Module):
+    """Holds a subset of a stage's parameters (the same tensors) so a DDP wrapper can own just those."""
+
+    def __init__(self, params: list[nn.Parameter]):
+        super().__init__()
+        self.params = nn.ParameterList(params)
+
+    def forward(self) -> None:  # the pipeline runs the real forward; DDP only needs to be told (see train_step)
+        return None
+
+
+class _Optimizers:
+    """Several optimizers stepped as one."""
+
+    def __init__(self, optimizers: list[torch.optim.Optimizer]):
+        self.optimizers = optimizers
+
+    def step(self) -> None:
+        for opt in self.optimizers:
+            opt.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=set_to_none)
 
 
 def _spawned(cfg_dict: dict) -> dict:

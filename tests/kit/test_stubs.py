@@ -270,10 +270,12 @@ from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 
 module = importlib.import_module(sys.argv[1])
-for name in sys.argv[2:]:
+pointers = sys.argv[2].split(",")
+for name in sys.argv[3:]:
     kernel = getattr(module, name)
-    # A stub's body fails before any argument is used, so any types and constexpr values do.
-    signature = {p.name: "constexpr" if p.is_constexpr else "i32" for p in kernel.params}
+    # A stub's body fails before any argument is used, so these types and constexpr values do.
+    signature = {p.name: "constexpr" if p.is_constexpr else "*fp32" if p.name in pointers else "i32"
+                 for p in kernel.params}
     constexprs = {(i,): 16 for i, p in enumerate(kernel.params) if p.is_constexpr}
     try:
         triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
@@ -288,10 +290,10 @@ for name in sys.argv[2:]:
 """
 
 
-def _compile_for_sm90(tmp_path: Path, package_root: Path, module: str, names: list[str]) -> str:
+def _compile_for_sm90(tmp_path: Path, package_root: Path, module: str, names: list[str], pointers: str = "") -> str:
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path / "triton-cache"),
            "PYTHONPATH": str(package_root) + os.pathsep + str(ROOT)}
-    proc = subprocess.run([sys.executable, "-c", COMPILE, module, *names], cwd=package_root, env=env,
+    proc = subprocess.run([sys.executable, "-c", COMPILE, module, pointers, *names], cwd=package_root, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc.stdout
@@ -302,14 +304,14 @@ def test_stub_kernel_fails_to_compile_for_a_gpu_with_the_stub_message(tmp_path):
     stub = render(KERNEL, "reference/kern.py").text
     assert "tl.static_assert(False, " in stub
     (tmp_path / "stubkern.py").write_text(stub)
-    out = _compile_for_sm90(tmp_path, tmp_path, "stubkern", ["_inner", "scale_kernel"])
+    out = _compile_for_sm90(tmp_path, tmp_path, "stubkern", ["_inner", "scale_kernel"], pointers="X")
     for name in ("_inner", "scale_kernel"):
         line = next(line for line in out.splitlines() if line.startswith(("FAILED " + name, "COMPILED " + name)))
         assert line.startswith("FAILED"), line
         assert "NotImplementedError: _inner: scale the tile (handout 09 §5)" in line, line
         assert "unsupported AST node" not in line, line
     (tmp_path / "refkern.py").write_text(KERNEL)
-    assert "COMPILED scale_kernel" in _compile_for_sm90(tmp_path, tmp_path, "refkern", ["scale_kernel"]), \
+    assert "COMPILED scale_kernel" in _compile_for_sm90(tmp_path, tmp_path, "refkern", ["scale_kernel"], "X"), \
         "the reference kernel itself must compile: the failure above is the stub's"
 
 
