@@ -4,7 +4,7 @@
 
     def time_fn(fn, *, warmup, iters, sync=None):
         \"\"\"docstring stays\"\"\"
-        check_count("warmup", warmup, minimum=0)   # given: argument checks stay outside the markers
+        non_negative_int("warmup", warmup)   # given: argument checks stay outside the markers
         # BEGIN SOLUTION time each call between two synchronisations (handout 01 §1.1)
         ...solution...
         # END SOLUTION
