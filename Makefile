@@ -6,6 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 IMPL ?= student
 STAGE ?=
+LEVEL ?= guided
 GPU ?=
 STAMP := $(VENV)/.setup-stamp$(if $(GPU),-gpu)
 HAVE_REFERENCE := $(wildcard reference/__init__.py)
@@ -14,8 +15,12 @@ export PYTHONDONTWRITEBYTECODE := 1
 .PHONY: help setup grade test test-reference test-kit lint student check-student release autograder check-handout soak \
         notebooks bench doctor clean
 
+# `##` describes a target for `make help`; `##@instructor` marks one that needs reference/ (hidden in the student
+# release), `##@student` one that only the student release has.
 help: ## list the targets
-	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-16s %s\n", $$1, $$2}'
+	@grep -E '^[a-z-]+:.*##(@instructor|@student)? ' $(MAKEFILE_LIST) \
+	    | grep -v '##@$(if $(HAVE_REFERENCE),student,instructor) ' \
+	    | awk -F':.*##(@instructor|@student)? ' '{printf "  make %-16s %s\n", $$1, $$2}'
 
 setup: $(STAMP) ## create .venv with everything installed (GPU=1 keeps your CUDA torch)
 $(STAMP): pyproject.toml constraints-cpu.txt
@@ -28,35 +33,35 @@ grade: setup ## grade student/ (IMPL=reference|PATH, STAGE=1 or 1,2) and print t
 
 ifeq ($(HAVE_REFERENCE),)
 # A student release: the tests are the graded suite on your code (`make lint` checks style separately).
-test: setup grade ## grade student/
+test: setup grade ##@student grade student/
 else
-test: setup lint check-student test-reference ## everything CI checks: lint, stubs fresh, full suite on the reference
+test: setup lint check-student test-reference ##@instructor everything CI checks: lint, stubs fresh, full suite on the reference
 	@echo "make test: all checks passed"
 endif
 
-test-reference: setup ## the whole suite (graded, kit, notebooks) against the reference
+test-reference: setup ##@instructor the whole suite (graded, kit, notebooks) against the reference
 	$(PY) -m pytest tests --impl reference $(if $(STAGE),-m stage$(STAGE))
 
-test-kit: setup ## only the kit's own tests (grader, release, spawn helper)
+test-kit: setup ##@instructor only the kit's own tests (grader, release, spawn helper)
 	$(PY) -m pytest tests/kit --impl reference
 
 lint: setup ## ruff
 	$(PY) -m ruff check .
 
-student: setup ## regenerate student/ from reference/ (never edit student/ by hand)
-	$(PY) -m kit release --student
+student: setup ##@instructor regenerate student/ from reference/ (LEVEL=open: public API only; never edit by hand)
+	$(PY) -m kit release --student --level $(LEVEL)
 
-check-student: setup ## fail when student/ is stale
+check-student: setup ##@instructor fail when student/ is stale
 	$(PY) -m kit release --check
 
-release: setup ## build dist/student-release/ (no reference, no hidden tests)
-	$(PY) -m kit release --build
+release: setup ##@instructor build dist/student-release/ (no reference, no hidden tests; LEVEL=open as above)
+	$(PY) -m kit release --build --level $(LEVEL)
 
-autograder: setup ## build dist/autograder.zip for Gradescope (kit + public and hidden tests, no reference)
+autograder: setup ##@instructor build dist/autograder.zip for Gradescope (kit + public and hidden tests, no reference)
 	$(PY) -m kit autograder
 
 RUNS ?= 20
-soak: setup ## run the graded reference suite RUNS times in a row; stops at the first failure (flakiness check)
+soak: setup ##@instructor run the graded reference suite RUNS times in a row; stops at the first failure (flakiness check)
 	@for i in $$(seq $(RUNS)); do \
 	    echo "== run $$i of $(RUNS) ($$(date +%T))"; \
 	    $(PY) -m pytest tests --impl reference -q -p no:cacheprovider \

@@ -80,8 +80,8 @@ def cmd_release(args: argparse.Namespace) -> int:
     from kit import release
 
     if args.student:
-        written = release.write_student()
-        print(f"regenerated student/ from reference/ ({len(written)} files)")
+        written = release.write_student(level=args.level)
+        print(f"regenerated student/ from reference/ at the {args.level} level ({len(written)} files)")
     if args.check:
         stale = release.stale_student_files()
         if stale:
@@ -89,7 +89,8 @@ def cmd_release(args: argparse.Namespace) -> int:
             return 1
         print("student/ is up to date with reference/")
     if args.build:
-        out = release.build_release(Path(args.out) if args.out else release.ROOT / "dist" / "student-release")
+        out = release.build_release(Path(args.out) if args.out else release.ROOT / "dist" / "student-release",
+                                    level=args.level)
         print(f"built the student release in {out}")
     return 0
 
@@ -132,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--check", action="store_true", help="fail when student/ is stale")
     r.add_argument("--build", action="store_true", help="build dist/student-release/")
     r.add_argument("--out", help="release folder (default dist/student-release)")
+    r.add_argument("--level", choices=("guided", "open"), default="guided",
+                   help="stubs: guided (default, what student/ holds) or open (public API only; see kit/stubs.py)")
     r.set_defaults(func=cmd_release)
 
     a = sub.add_parser("autograde", help="grade one uploaded submission (what Gradescope's run_autograder calls)")

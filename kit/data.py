@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from kit.validate import positive_int
+
 
 def random_batch(
     batch_size: int,
@@ -19,8 +21,7 @@ def random_batch(
     Pass ``seed`` (or a ``generator``) for the same batch on every rank and every run.
     """
     for name, value in (("batch_size", batch_size), ("context_length", context_length), ("vocab_size", vocab_size)):
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
+        positive_int(name, value)
     if generator is None and seed is not None:
         generator = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, vocab_size, (batch_size, context_length + 1), generator=generator)

@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kit.validate import positive_int
+
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool], torch.Tensor]
 
 
@@ -42,9 +44,7 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         for field in ("vocab_size", "context_length", "d_model", "d_ff", "num_layers", "num_heads"):
-            value = getattr(self, field)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"ModelConfig.{field} must be a positive int, got {value!r}")
+            positive_int(f"ModelConfig.{field}", getattr(self, field))
         if self.d_model % self.num_heads:
             raise ValueError(
                 f"ModelConfig.d_model ({self.d_model}) must be divisible by num_heads ({self.num_heads})"

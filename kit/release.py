@@ -4,6 +4,7 @@
 
     def time_fn(fn, *, warmup, iters, sync=None):
         \"\"\"docstring stays\"\"\"
+        non_negative_int("warmup", warmup)   # given: argument checks stay outside the markers
         # BEGIN SOLUTION time each call between two synchronisations (handout 01 §1.1)
         ...solution...
         # END SOLUTION
@@ -12,8 +13,10 @@ and the student copy gets, at the marker's indentation::
 
         raise NotImplementedError("time_fn: time each call between two synchronisations (handout 01 §1.1)")
 
-Everything outside the markers — imports, signatures, docstrings, given helpers — is copied as is.
-The text after ``BEGIN SOLUTION`` is required: it is the first thing a student reads.
+Everything outside the markers — imports, signatures, docstrings, argument checks, given helpers — is
+copied as is. :mod:`kit.stubs` defines the whole marker language (SOLUTION, PROMPT, SCAFFOLD) and the
+two levels: ``guided`` (the default, what ``student/`` holds) and ``open`` (public API only).
+A file with at least one stub is stamped "Your work goes in this file"; the others "Given code".
 """
 
 from __future__ import annotations
@@ -23,13 +26,16 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-BEGIN = re.compile(r"^(?P<indent>[ \t]*)# BEGIN SOLUTION(?P<hint>.*)$")
-END = re.compile(r"^[ \t]*# END SOLUTION\s*$")
-DEF = re.compile(r"^(?P<indent>[ \t]*)(?:async\s+)?def\s+(?P<name>\w+)|^(?P<cindent>[ \t]*)class\s+(?P<cname>\w+)")
+from kit.stubs import LEVELS, MarkerError, parse, render
+
+__all__ = ["LEVELS", "MarkerError", "build_release", "render_student", "solution_blocks", "stale_student_files",
+           "strip_solutions", "write_student"]
+
 REFERENCE_IMPORT = re.compile(r"^\s*(from\s+reference\b|import\s+reference\b)", re.M)
 
 ROOT = Path(__file__).resolve().parent.parent
 GENERATED_HEADER = "# Your work goes in this file. Generated from the kit's reference by `make student`.\n"
+GIVEN_HEADER = "# Given code — read, don't edit. Generated from the kit's reference by `make student`.\n"
 
 # What a student release contains (relative to the repository root) and what it never contains.
 RELEASE_INCLUDE = (
@@ -37,10 +43,6 @@ RELEASE_INCLUDE = (
     "student", "kit", "tests", "handout", "notebooks", "benchmarks",
 )
 RELEASE_EXCLUDE_DIRS = ("tests/hidden", "tests/kit", "__pycache__", ".ipynb_checkpoints", ".pytest_cache")
-
-
-class MarkerError(ValueError):
-    """A solution marker is malformed; the message names the file and line."""
 
 
 @dataclass
@@ -52,72 +54,32 @@ class SolutionBlock:
     text: str
 
 
-def _qualified_name(lines: list[str], index: int, indent: int) -> str:
-    """Name of the function (and class) enclosing line ``index`` whose body is indented by ``indent``."""
-    names: list[str] = []
-    level = indent
-    for line in reversed(lines[:index]):
-        m = DEF.match(line)
-        if not m:
-            continue
-        ind = len(m.group("indent") if m.group("name") else m.group("cindent"))
-        if ind < level:
-            names.append(m.group("name") or m.group("cname"))
-            level = ind
-            if ind == 0:
-                break
-    return ".".join(reversed(names)) or "<module>"
+def strip_solutions(source: str, path: Path | str = "<string>",
+                    level: str = "guided") -> tuple[str, list[SolutionBlock]]:
+    """``source`` as the student gets it at ``level`` (no header), and its solution blocks."""
+    return render(source, path, level).text, _blocks(source, path)
 
 
-def strip_solutions(source: str, path: Path | str = "<string>") -> tuple[str, list[SolutionBlock]]:
-    """Return ``source`` with every solution block replaced by a ``NotImplementedError`` stub."""
-    lines = source.splitlines(keepends=True)
-    out: list[str] = []
-    blocks: list[SolutionBlock] = []
-    i = 0
-    while i < len(lines):
-        line = lines[i]
-        m = BEGIN.match(line.rstrip("\n"))
-        if END.match(line):
-            raise MarkerError(f"{path}:{i + 1}: '# END SOLUTION' without a matching '# BEGIN SOLUTION'")
-        if not m:
-            out.append(line)
-            i += 1
-            continue
-        indent = m.group("indent")
-        hint = m.group("hint").strip()
-        if not hint:
-            raise MarkerError(
-                f"{path}:{i + 1}: '# BEGIN SOLUTION' needs a hint after it, e.g. "
-                "'# BEGIN SOLUTION compute the online softmax (handout 03 §2)'"
-            )
-        j = i + 1
-        while j < len(lines) and not END.match(lines[j]):
-            if BEGIN.match(lines[j].rstrip("\n")):
-                raise MarkerError(f"{path}:{j + 1}: nested '# BEGIN SOLUTION' (block opened at line {i + 1})")
-            j += 1
-        if j == len(lines):
-            raise MarkerError(f"{path}:{i + 1}: '# BEGIN SOLUTION' is never closed by '# END SOLUTION'")
-        function = _qualified_name(lines, i, len(indent.expandtabs()))
-        if function == "<module>":
-            raise MarkerError(f"{path}:{i + 1}: solution blocks must sit inside a function body")
-        message = f"{function}: {hint}".replace("\\", "\\\\").replace('"', '\\"')
-        out.append(f'{indent}raise NotImplementedError("{message}")\n')
-        blocks.append(SolutionBlock(Path(path), i + 1, function, hint, "".join(lines[i + 1 : j])))
-        i = j + 1
-    return "".join(out), blocks
+def _blocks(source: str, path: Path | str) -> list[SolutionBlock]:
+    parsed = parse(source, path)
+    return [SolutionBlock(Path(path), b.begin + 1, b.function, b.hint, "".join(parsed.lines[b.begin + 1:b.end]))
+            for b in parsed.blocks if b.kind == "SOLUTION"]
 
 
 def solution_blocks(reference: Path = ROOT / "reference") -> list[SolutionBlock]:
     """Every solution block in the reference package."""
     blocks: list[SolutionBlock] = []
     for path in sorted(reference.rglob("*.py")):
-        blocks += strip_solutions(path.read_text(), path.relative_to(reference.parent))[1]
+        blocks += _blocks(path.read_text(), path.relative_to(reference.parent))
     return blocks
 
 
-def render_student(reference: Path = ROOT / "reference") -> dict[Path, bytes]:
-    """The student package as ``{relative path: contents}``, generated from ``reference``."""
+def render_student(reference: Path = ROOT / "reference", level: str = "guided") -> dict[Path, bytes]:
+    """The student package at ``level`` as ``{relative path: contents}``, generated from ``reference``."""
+    if not (reference / "__init__.py").exists():
+        raise FileNotFoundError(f"{reference} is not the reference package: `make student` regenerates student/ "
+                                "from reference/, which only the instructor's copy of the kit holds")
+    command = "make student" + (f" LEVEL={level}" if level != "guided" else "")
     files: dict[Path, bytes] = {}
     for path in sorted(reference.rglob("*")):
         if path.is_dir() or "__pycache__" in path.parts:
@@ -129,16 +91,22 @@ def render_student(reference: Path = ROOT / "reference") -> dict[Path, bytes]:
                 raise MarkerError(
                     f"reference/{rel}: import siblings relatively (from . import x), not from 'reference'"
                 )
-            stripped, _ = strip_solutions(source, Path("reference") / rel)
-            files[rel] = (GENERATED_HEADER + stripped).encode()
+            stub = render(source, Path("reference") / rel, level, stub_path=f"student/{rel}")
+            header = GENERATED_HEADER if stub.stubs else GIVEN_HEADER
+            files[rel] = (header.replace("`make student`", f"`{command}`") + stub.text).encode()
         else:
             files[rel] = path.read_bytes()
     return files
 
 
-def write_student(reference: Path = ROOT / "reference", student: Path = ROOT / "student") -> list[Path]:
-    """Regenerate ``student`` from ``reference``; return the files written. Stale files are removed."""
-    files = render_student(reference)
+def write_student(reference: Path = ROOT / "reference", student: Path = ROOT / "student",
+                  level: str = "guided") -> list[Path]:
+    """Regenerate ``student`` from ``reference`` at ``level``; return the files written. Stale files are removed.
+
+    Both levels are generated (and so checked) every time: a marker that breaks the open level fails
+    ``make student`` too.
+    """
+    files = {lv: render_student(reference, lv) for lv in LEVELS}[level]
     if student.exists():
         shutil.rmtree(student)
     for rel, data in files.items():
@@ -148,9 +116,10 @@ def write_student(reference: Path = ROOT / "reference", student: Path = ROOT / "
     return sorted(files)
 
 
-def stale_student_files(reference: Path = ROOT / "reference", student: Path = ROOT / "student") -> list[str]:
-    """Files where ``student`` differs from what ``reference`` generates (empty when up to date)."""
-    expected = render_student(reference)
+def stale_student_files(reference: Path = ROOT / "reference", student: Path = ROOT / "student",
+                        level: str = "guided") -> list[str]:
+    """Files where ``student`` differs from what ``reference`` generates at ``level`` (empty when up to date)."""
+    expected = render_student(reference, level)
     actual = {
         p.relative_to(student): p.read_bytes()
         for p in student.rglob("*")
@@ -159,11 +128,18 @@ def stale_student_files(reference: Path = ROOT / "reference", student: Path = RO
     return sorted(str(rel) for rel in set(expected) | set(actual) if expected.get(rel) != actual.get(rel))
 
 
-def build_release(out: Path = ROOT / "dist" / "student-release", root: Path = ROOT) -> Path:
-    """Copy what a student needs into ``out`` — never ``reference/``, hidden tests or the kit's own tests."""
-    stale = stale_student_files(root / "reference", root / "student")
-    if stale:
-        raise RuntimeError(f"student/ is stale ({', '.join(stale[:5])}…): run `make student` first")
+def build_release(out: Path = ROOT / "dist" / "student-release", root: Path = ROOT, level: str = "guided") -> Path:
+    """Copy what a student needs into ``out`` — never ``reference/``, hidden tests or the kit's own tests.
+
+    ``level="guided"`` ships the committed ``student/`` (which must be fresh); ``"open"`` ships stubs
+    generated at the open level instead.
+    """
+    if level == "guided":
+        stale = stale_student_files(root / "reference", root / "student")
+        if stale:
+            raise RuntimeError(f"student/ is stale ({', '.join(stale[:5])}…): run `make student` first")
+    else:
+        open_files = render_student(root / "reference", level)
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
@@ -178,7 +154,11 @@ def build_release(out: Path = ROOT / "dist" / "student-release", root: Path = RO
 
     for name in RELEASE_INCLUDE:
         src = root / name
-        if src.is_dir():
+        if name == "student" and level != "guided":
+            for rel, data in open_files.items():
+                (out / name / rel).parent.mkdir(parents=True, exist_ok=True)
+                (out / name / rel).write_bytes(data)
+        elif src.is_dir():
             shutil.copytree(src, out / name, ignore=ignore)
         elif src.exists():
             shutil.copy2(src, out / name)

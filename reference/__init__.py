@@ -1,2 +1,4 @@
-"""Solutions to the six stages. Solution code sits between BEGIN/END SOLUTION markers; `make student`
-turns this package into the student stubs."""
+"""The six stages' implementation package: one module (or subpackage) per stage, listed in kit/stages.py.
+
+In ``reference/`` it holds the solutions, between BEGIN/END SOLUTION markers; ``make student`` turns it
+into ``student/``, the same modules with stubs in their place."""

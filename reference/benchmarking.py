@@ -21,6 +21,7 @@ import torch
 
 from kit.data import random_batch
 from kit.model import TransformerLM, cross_entropy, get_config, make_optimizer
+from kit.validate import callable_arg, choice, non_negative_int, positive_int
 
 MODES = ("forward", "forward_backward", "train_step")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -76,15 +77,11 @@ def time_fn(
     Returns:
         :class:`TimingStats` in seconds per call.
     """
-    # BEGIN SOLUTION check arguments, warm up, time each call between two sync() calls (handout 01 §1)
-    if not callable(fn):
-        raise TypeError(f"fn must be callable, got {type(fn).__name__}")
-    if not isinstance(warmup, int) or warmup < 0:
-        raise ValueError(f"warmup must be an int ≥ 0, got {warmup!r}")
-    if not isinstance(iters, int) or iters < 1:
-        raise ValueError(f"iters must be an int ≥ 1, got {iters!r}")
-    if sync is not None and not callable(sync):
-        raise TypeError(f"sync must be callable or None, got {type(sync).__name__}")
+    callable_arg("fn", fn)
+    non_negative_int("warmup", warmup)
+    positive_int("iters", iters)
+    callable_arg("sync", sync, optional=True)
+    # BEGIN SOLUTION warm up, then time each call between two sync() calls (handout 01 §1)
     sync = sync or default_sync()
     for _ in range(warmup):
         fn()
@@ -156,10 +153,8 @@ def benchmark_model(
     Returns a dict with the configuration, the :class:`TimingStats` under ``"timing"``, ``"tokens_per_s"``
     and ``"params"`` (the parameter count).
     """
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    choice("mode", mode, MODES)
+    choice("dtype", dtype, DTYPES)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     config = get_config(preset, context_length=max(context_length, get_config(preset).context_length))
     model = model or TransformerLM(config, attention_fn=attention_fn)
@@ -168,6 +163,9 @@ def benchmark_model(
     inputs, targets = random_batch(batch_size, context_length, config.vocab_size, device=device, seed=0)
     autocast_dtype = DTYPES[dtype]
 
+    # BEGIN PROMPT
+    #> timing = ...  # time_fn(...) over one step of `mode`: forward (under autocast), backward, optimizer step
+    # END PROMPT
     # BEGIN SOLUTION one step of the mode in NVTX ranges, timed with time_fn (handout 01 §2)
     def step() -> None:
         with nvtx.annotate("forward"):
@@ -220,10 +218,8 @@ def profile_step(
     ``self_time_us`` (CUDA self time on a GPU, else CPU self time) and ``total_time_us``, sorted by
     ``self_time_us`` descending. With ``trace_path``, also writes a Chrome/Perfetto trace there.
     """
-    if not callable(fn):
-        raise TypeError(f"fn must be callable, got {type(fn).__name__}")
-    if not isinstance(row_limit, int) or row_limit < 1:
-        raise ValueError(f"row_limit must be an int ≥ 1, got {row_limit!r}")
+    callable_arg("fn", fn)
+    positive_int("row_limit", row_limit)
     from torch.profiler import ProfilerActivity, profile
 
     # BEGIN SOLUTION warm up, profile one call, sort key_averages() by self time, export the trace (handout 01 §5)

@@ -44,6 +44,7 @@ What all of them promise:
 
 from __future__ import annotations
 
+import abc
 import contextlib
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -51,6 +52,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from kit.validate import instance, number
 
 __all__ = [
     "DDPBucketed",
@@ -69,16 +72,6 @@ MIB = 2**20
 # ----------------------------------------------------------------------------------------------------
 # Helpers shared by every DDP class
 # ----------------------------------------------------------------------------------------------------
-
-
-def _group_source_rank(process_group: Any) -> int:
-    """Global rank of the first member of ``process_group`` (0 for the default group).
-
-    ``dist.broadcast(src=...)`` takes a *global* rank even when ``group=`` is a subgroup.
-    """
-    if process_group is None:
-        return 0
-    return dist.get_global_rank(process_group, 0)
 
 
 def verify_same_model(module: nn.Module, process_group: Any = None) -> None:
@@ -127,15 +120,6 @@ def broadcast_module_states(module: nn.Module, process_group: Any = None) -> Non
     # END SOLUTION
 
 
-def trainable_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    """``(name, parameter)`` for every parameter that requires grad, in registration order.
-
-    ``named_parameters()`` lists a tied (shared) parameter once, under its first name, so each tensor
-    appears once here and is reduced once.
-    """
-    return [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-
-
 def assign_buckets(params: Sequence[torch.Tensor], bucket_size_mb: float | None) -> list[list[int]]:
     """Group parameters into gradient buckets, the way torch DDP does before its first iteration.
 
@@ -154,17 +138,9 @@ def assign_buckets(params: Sequence[torch.Tensor], bucket_size_mb: float | None)
         are in decreasing order. Example: sizes 4, 4, 4 MiB and a cap of 8 MiB give ``[[2, 1], [0]]``.
     """
     if bucket_size_mb is not None:
-        if isinstance(bucket_size_mb, bool) or not isinstance(bucket_size_mb, (int, float)):
-            raise TypeError(
-                f"bucket_size_mb must be a number of MiB or None, got {type(bucket_size_mb).__name__}"
-            )
-        if not bucket_size_mb > 0:
-            raise ValueError(
-                f"bucket_size_mb must be > 0 MiB (or None for one bucket), got {bucket_size_mb!r}"
-            )
+        number("bucket_size_mb", bucket_size_mb, above=0)  # MiB; None means one bucket
     for i, p in enumerate(params):
-        if not isinstance(p, torch.Tensor):
-            raise TypeError(f"params[{i}] must be a tensor, got {type(p).__name__}")
+        instance(f"params[{i}]", p, torch.Tensor, "a tensor")
     # BEGIN SOLUTION walk params in reverse, open a new bucket at the cap (handout 04 §4)
     cap = float("inf") if bucket_size_mb is None else bucket_size_mb * MIB
     buckets: list[list[int]] = []
@@ -186,17 +162,12 @@ def assign_buckets(params: Sequence[torch.Tensor], bucket_size_mb: float | None)
     # END SOLUTION
 
 
-def _check_module(module: Any) -> None:
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
-
-
 # ----------------------------------------------------------------------------------------------------
 # The common interface
 # ----------------------------------------------------------------------------------------------------
 
 
-class DataParallelBase(nn.Module):
+class DataParallelBase(nn.Module, abc.ABC):
     """What every DDP class shares: construction, ``forward``, ``no_sync`` and the step hooks.
 
     Attributes:
@@ -248,10 +219,11 @@ class DataParallelBase(nn.Module):
     def on_train_batch_start(self) -> None:
         """Call before each step's forward. Resets per-step communication state (nothing to reset here)."""
 
+    @abc.abstractmethod
     def finish_gradient_synchronization(self) -> None:
         """Call after ``loss.backward()``, before ``optimizer.step()``: leaves every ``p.grad`` averaged
-        over the group's ranks. Does nothing when the step's forward ran inside :meth:`no_sync`."""
-        raise NotImplementedError(f"{type(self).__name__} must implement finish_gradient_synchronization")
+        over the group's ranks. Does nothing when the step's forward ran inside :meth:`no_sync`.
+        Each subclass implements it (an abstract method: the base class cannot be instantiated)."""
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -331,7 +303,9 @@ class DDPIndividualParameters(DataParallelBase):
 
     def __init__(self, module: nn.Module, *, process_group: Any = None):
         super().__init__(module, process_group=process_group)
+        # BEGIN SCAFFOLD hook each trainable param to launch its async all-reduce; keep the handles (handout 04 §3)
         self._pending: list[tuple[torch.Tensor, Any]] = []  # (gradient, work handle) launched this step
+        # END SCAFFOLD
         # BEGIN SOLUTION hook self._on_grad_ready on each trainable param (handout 04 §3)
         for _, p in trainable_parameters(self.module):
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
@@ -348,7 +322,9 @@ class DDPIndividualParameters(DataParallelBase):
 
     def on_train_batch_start(self) -> None:
         """Forget handles left over from an aborted step."""
+        # BEGIN SCAFFOLD forget whatever your hooks kept from an aborted step (handout 04 §3)
         self._pending = []
+        # END SCAFFOLD
 
     def finish_gradient_synchronization(self) -> None:
         if not self._sync_this_step:
@@ -391,6 +367,7 @@ class DDPBucketed(DataParallelBase):
         assign_buckets([], bucket_size_mb)  # validates bucket_size_mb before any communication
         super().__init__(module, process_group=process_group)
         self.bucket_size_mb = bucket_size_mb
+        # BEGIN SCAFFOLD bucket_names, bucket_numels (assign_buckets), per-bucket state, hooks (handout 04 §4)
         named = trainable_parameters(self.module)
         index_buckets = assign_buckets([p for _, p in named], bucket_size_mb)
         self._bucket_params: list[list[nn.Parameter]] = [[named[i][1] for i in b] for b in index_buckets]
@@ -405,6 +382,7 @@ class DDPBucketed(DataParallelBase):
         # Per-step state, reset by on_train_batch_start and at the end of finish_gradient_synchronization.
         self._ready_count: list[int] = [0] * len(self._bucket_params)
         self._handles: list[Any] = [None] * len(self._bucket_params)
+        # END SCAFFOLD
         # BEGIN SOLUTION hook self._on_grad_ready on each trainable param (handout 04 §4)
         for _, p in named:
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
@@ -470,3 +448,31 @@ class DDPBucketed(DataParallelBase):
                 offset += p.numel()
         self.on_train_batch_start()
         # END SOLUTION
+
+
+# ----------------------------------------------------------------------------------------------------
+# Given helpers: used by the code above; read them, no need to change them
+# ----------------------------------------------------------------------------------------------------
+
+
+def trainable_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """``(name, parameter)`` for every parameter that requires grad, in registration order.
+
+    ``named_parameters()`` lists a tied (shared) parameter once, under its first name, so each tensor
+    appears once here and is reduced once.
+    """
+    return [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+
+
+def _group_source_rank(process_group: Any) -> int:
+    """Global rank of the first member of ``process_group`` (0 for the default group).
+
+    ``dist.broadcast(src=...)`` takes a *global* rank even when ``group=`` is a subgroup.
+    """
+    if process_group is None:
+        return 0
+    return dist.get_global_rank(process_group, 0)
+
+
+def _check_module(module: Any) -> None:
+    instance("module", module, nn.Module, "a torch.nn.Module")

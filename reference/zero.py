@@ -33,8 +33,10 @@ from torch.optim import Optimizer
 from kit.data import random_batch
 from kit.model import ModelConfig, TransformerLM, cross_entropy
 from kit.spawn import rank_device
+from kit.validate import choice, integer, non_negative_int, positive_int
 
 __all__ = [
+    "ZERO_STAGES",
     "ShardedOptimizer",
     "ZeroMemory",
     "optimizer_state_bytes",
@@ -70,15 +72,11 @@ def partition_by_size(
         ``(owners, loads)``: ``owners[i]`` is the rank of item ``i``; ``loads[r]`` the elements rank ``r``
         owns afterwards (a new list).
     """
-    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
-        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
-    numels = list(numels)
-    for i, n in enumerate(numels):
-        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
-            raise ValueError(f"numels[{i}] must be an int ≥ 0, got {n!r}")
-    loads = [0] * world_size if loads is None else list(loads)
-    if len(loads) != world_size or any(not isinstance(x, int) or x < 0 for x in loads):
-        raise ValueError(f"loads must be {world_size} ints ≥ 0 (one per rank), got {loads!r}")
+    positive_int("world_size", world_size)
+    numels = [non_negative_int(f"numels[{i}]", n) for i, n in enumerate(numels)]
+    loads = [0] * world_size if loads is None else [non_negative_int(f"loads[{r}]", x) for r, x in enumerate(loads)]
+    if len(loads) != world_size:
+        raise ValueError(f"loads must hold {world_size} ints ≥ 0 (one per rank), got {loads!r}")
     # BEGIN SOLUTION largest item first (stable), each to the least-loaded rank (handout 05 §2)
     owners = [0] * len(numels)
     # sorted() is stable: equal sizes keep their input order, so every rank agrees on the result.
@@ -126,7 +124,6 @@ class ShardedOptimizer(Optimizer):
         process_group: Any = None,
         **kwargs: Any,
     ):
-        # BEGIN SOLUTION check inputs, let Optimizer.__init__ add the groups, build the local optimizer (handout 05 §2)
         if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, Optimizer)):
             hint = " (pass the class, e.g. torch.optim.AdamW, not an instance)" if isinstance(
                 optimizer_cls, Optimizer) else ""
@@ -146,6 +143,7 @@ class ShardedOptimizer(Optimizer):
                 "ShardedOptimizer needs an initialised process group (dist.init_process_group, or run "
                 "inside kit.spawn.run_on_ranks)"
             )
+        # BEGIN SOLUTION Optimizer.__init__ adds the groups via add_param_group; build local_optimizer (handout 05 §2)
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
@@ -164,17 +162,20 @@ class ShardedOptimizer(Optimizer):
         self.state = self.local_optimizer.state
         # END SOLUTION
 
-    # -- helpers (given) ---------------------------------------------------------------------------
-    # They read what __init__ sets up: self.process_group, self.rank and self.world_size (of that group),
-    # self._owner (parameter -> owner rank; tensors hash by identity), self._loads (elements owned per
-    # rank so far) and self.local_optimizer (None until it is built).
-
     def owner_of(self, param: torch.Tensor) -> int:
         """The rank (within ``process_group``) that owns ``param``, keeps its state and broadcasts it."""
+        # BEGIN SCAFFOLD the owner's rank within process_group; ValueError for a tensor that is not a parameter
         try:
             return self._owner[param]
         except KeyError:
             raise ValueError("owner_of: this tensor is not a parameter of the optimizer") from None
+        # END SCAFFOLD
+
+    # BEGIN SCAFFOLD
+    # -- Given helpers ------------------------------------------------------------------------------------
+    # They read what __init__ sets up: self.process_group, self.rank and self.world_size (of that group),
+    # self._owner (parameter -> owner rank; tensors hash by identity), self._loads (elements owned per
+    # rank so far) and self.local_optimizer (None until it is built).
 
     def _local_group(self, group: dict[str, Any]) -> dict[str, Any]:
         """The part of ``group`` this rank owns: the same options, only the owned parameters."""
@@ -197,6 +198,7 @@ class ShardedOptimizer(Optimizer):
         """Each parameter's index in an unsharded optimizer's ``state_dict`` (groups concatenated)."""
         params = [p for g in self.param_groups for p in g["params"]]
         return {p: i for i, p in enumerate(params)}
+    # END SCAFFOLD
 
     # -- the optimizer interface ------------------------------------------------------------------
 
@@ -244,8 +246,7 @@ class ShardedOptimizer(Optimizer):
         handles = []
         for group in self.param_groups:
             for p in group["params"]:
-                src = dist.get_global_rank(self.process_group, self._owner[p]) if self.process_group is not None \
-                    else self._owner[p]
+                src = _global_rank(self.process_group, self._owner[p])  # broadcast's src is a global rank
                 handles.append(dist.broadcast(p.data, src=src, group=self.process_group, async_op=True))
         for handle in handles:
             handle.wait()
@@ -269,8 +270,7 @@ class ShardedOptimizer(Optimizer):
             index[local_params[i]]: _to_cpu(state) for i, state in local_sd["state"].items()
         }
         gathered: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
-        dst = dist.get_global_rank(self.process_group, 0) if self.process_group is not None else 0
-        dist.gather_object(mine, gathered, dst=dst, group=self.process_group)
+        dist.gather_object(mine, gathered, dst=_global_rank(self.process_group, 0), group=self.process_group)
         if self.rank != 0:
             return None
         state = {}
@@ -323,6 +323,19 @@ class ShardedOptimizer(Optimizer):
         self.local_optimizer.load_state_dict({"state": local_state, "param_groups": local_groups})
         self._copy_options(self.local_optimizer.param_groups, self.param_groups)
         # END SOLUTION
+
+
+# ----------------------------------------------------------------------------------------------------
+# Given helpers: used by the code above; read them, no need to change them
+# ----------------------------------------------------------------------------------------------------
+
+
+def _global_rank(group: Any, group_rank: int) -> int:
+    """The global rank of rank ``group_rank`` of ``group`` (``None``: the default group).
+
+    Collectives take ``src``/``dst`` as *global* ranks even when ``group=`` is a subgroup.
+    """
+    return dist.get_global_rank(group if group is not None else dist.group.WORLD, group_rank)
 
 
 def _tensors_in(group: dict[str, Any]) -> list[torch.Tensor]:
@@ -415,6 +428,10 @@ def state_bytes_by_group_size(model_config: dict, group_sizes: Sequence[int]) ->
 # ----------------------------------------------------------------------------------------------------
 
 
+#: ZeRO stages: 0 is plain data parallelism; 1 shards the optimizer state, 2 also the gradients, 3 also the weights.
+ZERO_STAGES = (0, 1, 2, 3)
+
+
 @dataclass(frozen=True)
 class ZeroMemory:
     """Per-device bytes at one ZeRO stage and world size, and the bytes each rank sends per step."""
@@ -470,13 +487,12 @@ def zero_memory_accounting(
     again for the backward pass, (N−1)·S·(grad_bytes + 2·param_bytes). For large N and equal dtypes
     these are the paper's 2Ψ, 2Ψ and 3Ψ.
     """
-    for name, value, low in (("num_params", num_params, 1), ("world_size", world_size, 1),
-                             ("param_bytes", param_bytes, 0), ("grad_bytes", grad_bytes, 0),
-                             ("optimizer_bytes_per_param", optimizer_bytes_per_param, 0)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < low:
-            raise ValueError(f"{name} must be an int ≥ {low}, got {value!r}")
-    if not isinstance(stage, int) or isinstance(stage, bool) or stage not in (0, 1, 2, 3):
-        raise ValueError(f"stage must be 0, 1, 2 or 3 (ZeRO stage; 0 is plain data parallelism), got {stage!r}")
+    positive_int("num_params", num_params)
+    positive_int("world_size", world_size)
+    for name, value in (("param_bytes", param_bytes), ("grad_bytes", grad_bytes),
+                        ("optimizer_bytes_per_param", optimizer_bytes_per_param)):
+        non_negative_int(name, value)
+    choice("stage", integer("stage", stage), ZERO_STAGES)  # 0 is plain data parallelism
     # BEGIN SOLUTION full or sharded (⌈Ψ/N⌉) params, grads, optimizer state by stage; ring comm volume (handout 05 §5)
     full, shard, n = num_params, math.ceil(num_params / world_size), world_size
     params = (shard if stage >= 3 else full) * param_bytes

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from kit.spawn import rank_device, run_on_ranks
+from kit.validate import choice, integer, non_negative_int, positive_int, positive_number
 
 __all__ = ["all_reduce_benchmark", "bus_bandwidth", "time_all_reduce"]
 
@@ -32,12 +33,9 @@ def bus_bandwidth(size_bytes: int, seconds: float, world_size: int) -> tuple[flo
 
     ``algbw = size_bytes / seconds`` and ``busbw = algbw · 2(world_size - 1) / world_size``.
     """
-    if not isinstance(size_bytes, int) or size_bytes < 1:
-        raise ValueError(f"size_bytes must be a positive int, got {size_bytes!r}")
-    if not seconds > 0:
-        raise ValueError(f"seconds must be > 0, got {seconds!r}")
-    if not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    positive_int("size_bytes", size_bytes)
+    positive_number("seconds", seconds)
+    positive_int("world_size", world_size)
     raise NotImplementedError("bus_bandwidth: algorithm bandwidth is size / time; bus bandwidth scales it by 2(n-1)/n (handout 04 §6)")
 
 
@@ -50,17 +48,18 @@ def time_all_reduce(size_bytes: int, *, warmup: int = 3, iters: int = 10) -> flo
     The reduced tensor is checked: rank r contributes r + 1 everywhere, so each element must end up
     equal to n(n+1)/2.
     """
-    if not isinstance(size_bytes, int) or size_bytes < 4:
-        raise ValueError(f"size_bytes must be an int ≥ 4 (one float32), got {size_bytes!r}")
-    if not isinstance(warmup, int) or warmup < 0:
-        raise ValueError(f"warmup must be an int ≥ 0, got {warmup!r}")
-    if not isinstance(iters, int) or iters < 1:
-        raise ValueError(f"iters must be an int ≥ 1, got {iters!r}")
+    integer("size_bytes", size_bytes, minimum=4)  # one float32
+    non_negative_int("warmup", warmup)
+    positive_int("iters", iters)
     device = rank_device()
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     n = dist.get_world_size()
     data = torch.empty(size_bytes // 4, dtype=torch.float32, device=device)
     raise NotImplementedError("time_all_reduce: warm up; time barrier-aligned, synced calls; MAX over ranks (handout 04 §6)")
+
+
+# ------------------------------------------------------------------------------------------------------
+# Given: the benchmark driver. It spawns the ranks and calls your time_all_reduce for every size.
 
 
 def _benchmark_on_rank(sizes_bytes: list[int], warmup: int, iters: int) -> list[float]:
@@ -92,14 +91,15 @@ def all_reduce_benchmark(
     """
     sizes = list(sizes_bytes)
     worlds = list(world_sizes)
-    if not sizes or any(not isinstance(s, int) or s < 4 or s % 4 for s in sizes):
-        raise ValueError(f"sizes_bytes must be non-empty positive multiples of 4 bytes, got {sizes!r}")
-    if not worlds or any(not isinstance(w, int) or w < 2 for w in worlds):
-        raise ValueError(f"world_sizes must be non-empty ints ≥ 2, got {worlds!r}")
-    if backend not in (None, "gloo", "nccl"):
-        raise ValueError(f"backend must be 'gloo', 'nccl' or None, got {backend!r}")
-    if device not in (None, "cpu", "cuda"):
-        raise ValueError(f"device must be 'cpu', 'cuda' or None, got {device!r}")
+    for i, s in enumerate(sizes):
+        integer(f"sizes_bytes[{i}]", s, minimum=4)
+    for i, w in enumerate(worlds):
+        integer(f"world_sizes[{i}]", w, minimum=2)
+    if not sizes or not worlds or any(s % 4 for s in sizes):
+        raise ValueError(f"sizes_bytes must be non-empty multiples of 4 bytes and world_sizes non-empty, got "
+                         f"sizes_bytes={sizes!r}, world_sizes={worlds!r}")
+    choice("backend", backend, (None, "gloo", "nccl"))
+    choice("device", device, (None, "cpu", "cuda"))
     if device == "cpu" and backend == "nccl":
         raise ValueError("backend 'nccl' needs device 'cuda'; use 'gloo' for the CPU")
     if device == "cuda" and backend == "gloo":

@@ -45,6 +45,7 @@ What all of them promise:
 
 from __future__ import annotations
 
+import abc
 import contextlib
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -52,6 +53,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from kit.validate import instance, number
 
 __all__ = [
     "DDPBucketed",
@@ -70,16 +73,6 @@ MIB = 2**20
 # ----------------------------------------------------------------------------------------------------
 # Helpers shared by every DDP class
 # ----------------------------------------------------------------------------------------------------
-
-
-def _group_source_rank(process_group: Any) -> int:
-    """Global rank of the first member of ``process_group`` (0 for the default group).
-
-    ``dist.broadcast(src=...)`` takes a *global* rank even when ``group=`` is a subgroup.
-    """
-    if process_group is None:
-        return 0
-    return dist.get_global_rank(process_group, 0)
 
 
 def verify_same_model(module: nn.Module, process_group: Any = None) -> None:
@@ -102,15 +95,6 @@ def broadcast_module_states(module: nn.Module, process_group: Any = None) -> Non
     raise NotImplementedError("broadcast_module_states: broadcast each parameter and buffer from the group's first rank (handout 04 §1)")
 
 
-def trainable_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    """``(name, parameter)`` for every parameter that requires grad, in registration order.
-
-    ``named_parameters()`` lists a tied (shared) parameter once, under its first name, so each tensor
-    appears once here and is reduced once.
-    """
-    return [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-
-
 def assign_buckets(params: Sequence[torch.Tensor], bucket_size_mb: float | None) -> list[list[int]]:
     """Group parameters into gradient buckets, the way torch DDP does before its first iteration.
 
@@ -129,23 +113,10 @@ def assign_buckets(params: Sequence[torch.Tensor], bucket_size_mb: float | None)
         are in decreasing order. Example: sizes 4, 4, 4 MiB and a cap of 8 MiB give ``[[2, 1], [0]]``.
     """
     if bucket_size_mb is not None:
-        if isinstance(bucket_size_mb, bool) or not isinstance(bucket_size_mb, (int, float)):
-            raise TypeError(
-                f"bucket_size_mb must be a number of MiB or None, got {type(bucket_size_mb).__name__}"
-            )
-        if not bucket_size_mb > 0:
-            raise ValueError(
-                f"bucket_size_mb must be > 0 MiB (or None for one bucket), got {bucket_size_mb!r}"
-            )
+        number("bucket_size_mb", bucket_size_mb, above=0)  # MiB; None means one bucket
     for i, p in enumerate(params):
-        if not isinstance(p, torch.Tensor):
-            raise TypeError(f"params[{i}] must be a tensor, got {type(p).__name__}")
+        instance(f"params[{i}]", p, torch.Tensor, "a tensor")
     raise NotImplementedError("assign_buckets: walk params in reverse, open a new bucket at the cap (handout 04 §4)")
-
-
-def _check_module(module: Any) -> None:
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -153,7 +124,7 @@ def _check_module(module: Any) -> None:
 # ----------------------------------------------------------------------------------------------------
 
 
-class DataParallelBase(nn.Module):
+class DataParallelBase(nn.Module, abc.ABC):
     """What every DDP class shares: construction, ``forward``, ``no_sync`` and the step hooks.
 
     Attributes:
@@ -198,10 +169,11 @@ class DataParallelBase(nn.Module):
     def on_train_batch_start(self) -> None:
         """Call before each step's forward. Resets per-step communication state (nothing to reset here)."""
 
+    @abc.abstractmethod
     def finish_gradient_synchronization(self) -> None:
         """Call after ``loss.backward()``, before ``optimizer.step()``: leaves every ``p.grad`` averaged
-        over the group's ranks. Does nothing when the step's forward ran inside :meth:`no_sync`."""
-        raise NotImplementedError(f"{type(self).__name__} must implement finish_gradient_synchronization")
+        over the group's ranks. Does nothing when the step's forward ran inside :meth:`no_sync`.
+        Each subclass implements it (an abstract method: the base class cannot be instantiated)."""
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -344,3 +316,31 @@ class DDPBucketed(DataParallelBase):
         if not self._sync_this_step:
             return
         raise NotImplementedError("DDPBucketed.finish_gradient_synchronization: launch leftovers, wait, average, copy back, reset (handout 04 §4)")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Given helpers: used by the code above; read them, no need to change them
+# ----------------------------------------------------------------------------------------------------
+
+
+def trainable_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """``(name, parameter)`` for every parameter that requires grad, in registration order.
+
+    ``named_parameters()`` lists a tied (shared) parameter once, under its first name, so each tensor
+    appears once here and is reduced once.
+    """
+    return [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+
+
+def _group_source_rank(process_group: Any) -> int:
+    """Global rank of the first member of ``process_group`` (0 for the default group).
+
+    ``dist.broadcast(src=...)`` takes a *global* rank even when ``group=`` is a subgroup.
+    """
+    if process_group is None:
+        return 0
+    return dist.get_global_rank(process_group, 0)
+
+
+def _check_module(module: Any) -> None:
+    instance("module", module, nn.Module, "a torch.nn.Module")

@@ -1,4 +1,4 @@
-# Your work goes in this file. Generated from the kit's reference by `make student`.
+# Given code — read, don't edit. Generated from the kit's reference by `make student`.
 """Stage 4 — see the overlap: a torch.profiler timeline of one DDP training step (given code, no exercise).
 
 ``run_on_ranks(profile_ddp_step, 2, args=("bucketed", 1.0))`` profiles one step of a stack of Linear

@@ -34,8 +34,10 @@ from torch.optim import Optimizer
 from kit.data import random_batch
 from kit.model import ModelConfig, TransformerLM, cross_entropy
 from kit.spawn import rank_device
+from kit.validate import choice, integer, non_negative_int, positive_int
 
 __all__ = [
+    "ZERO_STAGES",
     "ShardedOptimizer",
     "ZeroMemory",
     "optimizer_state_bytes",
@@ -71,15 +73,11 @@ def partition_by_size(
         ``(owners, loads)``: ``owners[i]`` is the rank of item ``i``; ``loads[r]`` the elements rank ``r``
         owns afterwards (a new list).
     """
-    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
-        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
-    numels = list(numels)
-    for i, n in enumerate(numels):
-        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
-            raise ValueError(f"numels[{i}] must be an int ≥ 0, got {n!r}")
-    loads = [0] * world_size if loads is None else list(loads)
-    if len(loads) != world_size or any(not isinstance(x, int) or x < 0 for x in loads):
-        raise ValueError(f"loads must be {world_size} ints ≥ 0 (one per rank), got {loads!r}")
+    positive_int("world_size", world_size)
+    numels = [non_negative_int(f"numels[{i}]", n) for i, n in enumerate(numels)]
+    loads = [0] * world_size if loads is None else [non_negative_int(f"loads[{r}]", x) for r, x in enumerate(loads)]
+    if len(loads) != world_size:
+        raise ValueError(f"loads must hold {world_size} ints ≥ 0 (one per rank), got {loads!r}")
     raise NotImplementedError("partition_by_size: largest item first (stable), each to the least-loaded rank (handout 05 §2)")
 
 
@@ -119,12 +117,26 @@ class ShardedOptimizer(Optimizer):
         process_group: Any = None,
         **kwargs: Any,
     ):
-        raise NotImplementedError("ShardedOptimizer.__init__: check inputs, let Optimizer.__init__ add the groups, build the local optimizer (handout 05 §2)")
-
-    # -- helpers (given) ---------------------------------------------------------------------------
-    # They read what __init__ sets up: self.process_group, self.rank and self.world_size (of that group),
-    # self._owner (parameter -> owner rank; tensors hash by identity), self._loads (elements owned per
-    # rank so far) and self.local_optimizer (None until it is built).
+        if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, Optimizer)):
+            hint = " (pass the class, e.g. torch.optim.AdamW, not an instance)" if isinstance(
+                optimizer_cls, Optimizer) else ""
+            raise TypeError(
+                f"optimizer_cls must be a torch.optim.Optimizer subclass, got {optimizer_cls!r}{hint}"
+            )
+        if isinstance(params, torch.Tensor):
+            raise TypeError("params must be an iterable of tensors or of param-group dicts, got a single tensor")
+        params = list(params)
+        groups = params if params and isinstance(params[0], dict) else [{"params": params}]
+        tensors = [t for g in groups for t in _tensors_in(g)]
+        if not tensors:
+            raise ValueError("params is empty: ShardedOptimizer needs at least one parameter to optimize")
+        _reject_repeats(tensors)  # before any communication: bad input fails fast, on every rank alike
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "ShardedOptimizer needs an initialised process group (dist.init_process_group, or run "
+                "inside kit.spawn.run_on_ranks)"
+            )
+        raise NotImplementedError("ShardedOptimizer.__init__: Optimizer.__init__ adds the groups via add_param_group; build local_optimizer (handout 05 §2)")
 
     def owner_of(self, param: torch.Tensor) -> int:
         """The rank (within ``process_group``) that owns ``param``, keeps its state and broadcasts it."""
@@ -132,6 +144,11 @@ class ShardedOptimizer(Optimizer):
             return self._owner[param]
         except KeyError:
             raise ValueError("owner_of: this tensor is not a parameter of the optimizer") from None
+
+    # -- Given helpers ------------------------------------------------------------------------------------
+    # They read what __init__ sets up: self.process_group, self.rank and self.world_size (of that group),
+    # self._owner (parameter -> owner rank; tensors hash by identity), self._loads (elements owned per
+    # rank so far) and self.local_optimizer (None until it is built).
 
     def _local_group(self, group: dict[str, Any]) -> dict[str, Any]:
         """The part of ``group`` this rank owns: the same options, only the owned parameters."""
@@ -211,6 +228,19 @@ class ShardedOptimizer(Optimizer):
                     f"has {len(group['params'])}"
                 )
         raise NotImplementedError("ShardedOptimizer.load_state_dict: keep owned states, renumber them, load the local optimizer, restore options (handout 05 §4)")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Given helpers: used by the code above; read them, no need to change them
+# ----------------------------------------------------------------------------------------------------
+
+
+def _global_rank(group: Any, group_rank: int) -> int:
+    """The global rank of rank ``group_rank`` of ``group`` (``None``: the default group).
+
+    Collectives take ``src``/``dst`` as *global* ranks even when ``group=`` is a subgroup.
+    """
+    return dist.get_global_rank(group if group is not None else dist.group.WORLD, group_rank)
 
 
 def _tensors_in(group: dict[str, Any]) -> list[torch.Tensor]:
@@ -303,6 +333,10 @@ def state_bytes_by_group_size(model_config: dict, group_sizes: Sequence[int]) ->
 # ----------------------------------------------------------------------------------------------------
 
 
+#: ZeRO stages: 0 is plain data parallelism; 1 shards the optimizer state, 2 also the gradients, 3 also the weights.
+ZERO_STAGES = (0, 1, 2, 3)
+
+
 @dataclass(frozen=True)
 class ZeroMemory:
     """Per-device bytes at one ZeRO stage and world size, and the bytes each rank sends per step."""
@@ -358,11 +392,10 @@ def zero_memory_accounting(
     again for the backward pass, (N−1)·S·(grad_bytes + 2·param_bytes). For large N and equal dtypes
     these are the paper's 2Ψ, 2Ψ and 3Ψ.
     """
-    for name, value, low in (("num_params", num_params, 1), ("world_size", world_size, 1),
-                             ("param_bytes", param_bytes, 0), ("grad_bytes", grad_bytes, 0),
-                             ("optimizer_bytes_per_param", optimizer_bytes_per_param, 0)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < low:
-            raise ValueError(f"{name} must be an int ≥ {low}, got {value!r}")
-    if not isinstance(stage, int) or isinstance(stage, bool) or stage not in (0, 1, 2, 3):
-        raise ValueError(f"stage must be 0, 1, 2 or 3 (ZeRO stage; 0 is plain data parallelism), got {stage!r}")
+    positive_int("num_params", num_params)
+    positive_int("world_size", world_size)
+    for name, value in (("param_bytes", param_bytes), ("grad_bytes", grad_bytes),
+                        ("optimizer_bytes_per_param", optimizer_bytes_per_param)):
+        non_negative_int(name, value)
+    choice("stage", integer("stage", stage), ZERO_STAGES)  # 0 is plain data parallelism
     raise NotImplementedError("zero_memory_accounting: full or sharded (⌈Ψ/N⌉) params, grads, optimizer state by stage; ring comm volume (handout 05 §5)")

@@ -122,6 +122,11 @@ def test_time_fn_statistics(impl):
 @pytest.mark.points(1)
 def test_time_fn_rejects_bad_arguments(impl):
     time_fn = impl.benchmarking.time_fn
+    # The smallest valid call works: one sample, and its sample standard deviation is defined as 0
+    # (statistics.stdev raises on a single sample). The argument checks below are given code.
+    one = time_fn(lambda: None, warmup=0, iters=1)
+    assert len(one.samples) == 1 and one.std == 0.0, (
+        f"time_fn(iters=1) gave {len(one.samples)} samples and std {one.std}; expected 1 and 0.0. See handout 01 §1.")
     with pytest.raises(ValueError, match="warmup"):
         time_fn(lambda: None, warmup=-1, iters=1)
     with pytest.raises(ValueError, match="iters"):

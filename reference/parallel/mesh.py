@@ -19,14 +19,15 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from kit.validate import choice, positive_int
+
 #: Mesh dimension names, outermost first. Tensor parallel is innermost (consecutive ranks).
 MESH_DIMS = ("pp", "dp", "ep", "tp")
 
 
 def _check_degrees(dp: int, tp: int, pp: int, ep: int) -> None:
     for name, value in (("dp", dp), ("tp", tp), ("pp", pp), ("ep", ep)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an int ≥ 1 (the size of the {name} axis), got {value!r}")
+        positive_int(name, value)  # the size of that mesh axis
 
 
 def rank_grid(*, dp: int, tp: int, pp: int, ep: int) -> torch.Tensor:
@@ -53,16 +54,15 @@ def build_mesh(*, dp: int, tp: int, pp: int, ep: int, device_type: str = "cpu") 
         RuntimeError: the default process group is not initialised.
     """
     _check_degrees(dp, tp, pp, ep)
-    if device_type not in ("cpu", "cuda"):
-        raise ValueError(f"device_type must be 'cpu' or 'cuda', got {device_type!r}")
+    choice("device_type", device_type, ("cpu", "cuda"))
     if not dist.is_initialized():
         raise RuntimeError("build_mesh needs torch.distributed to be initialised (run under torchrun or run_on_ranks)")
-    # BEGIN SOLUTION ValueError unless dp·tp·pp·ep = world; init_device_mesh over (pp, dp, ep, tp) (handout 06 §1)
     world = dist.get_world_size()
     if dp * tp * pp * ep != world:
         raise ValueError(
             f"dp·tp·pp·ep = {dp}·{tp}·{pp}·{ep} = {dp * tp * pp * ep} must equal the world size {world}"
         )
+    # BEGIN SOLUTION init_device_mesh over (pp, dp, ep, tp), dims named MESH_DIMS (handout 06 §1)
     return init_device_mesh(device_type, (pp, dp, ep, tp), mesh_dim_names=MESH_DIMS)
     # END SOLUTION
 
@@ -70,13 +70,22 @@ def build_mesh(*, dp: int, tp: int, pp: int, ep: int, device_type: str = "cpu") 
 def dense_grad_group(mesh: DeviceMesh) -> dist.ProcessGroup:
     """The process group over which *dense* (replicated) gradients are averaged: the dp × ep ranks.
 
-    Ranks in one group share their pp and tp coordinates and differ in dp and/or ep. Its size is dp·ep.
+    Ranks in one group share their pp and tp coordinates and differ in dp and/or ep. Its size is dp·ep;
+    its group ranks follow (dp, ep) row-major, as in :func:`rank_grid`. Creating process groups is
+    collective — every rank creates every group, in the same order — so the first call for a mesh must
+    happen on every rank; later calls return the same group (``train_step`` asks for it every step).
     """
     if not isinstance(mesh, DeviceMesh) or tuple(mesh.mesh_dim_names or ()) != MESH_DIMS:
         raise TypeError(f"mesh must be a DeviceMesh with dims {MESH_DIMS} (from build_mesh), got {mesh!r}")
-    # BEGIN SOLUTION flatten the ("dp", "ep") sub-mesh into one dimension and return its group (handout 06 §1)
-    return mesh["dp", "ep"]._flatten("dp_ep").get_group()
-    # END SOLUTION
+    group = getattr(mesh, "_dense_grad_group", None)  # one per mesh: remembered on the mesh object
+    if group is None:
+        # BEGIN SOLUTION on every rank, one new group per (pp, tp) coordinate over its dp × ep ranks (handout 06 §1)
+        grid = mesh.mesh  # the global ranks, shape (pp, dp, ep, tp)
+        ranks = [grid[p, :, :, t].flatten().tolist() for p in range(grid.shape[0]) for t in range(grid.shape[3])]
+        group, _ = dist.new_subgroups_by_enumeration(ranks)
+        # END SOLUTION
+        mesh._dense_grad_group = group
+    return group
 
 
 def format_mesh(*, dp: int, tp: int, pp: int, ep: int) -> str:

@@ -28,16 +28,15 @@ import torch.distributed as dist
 from torch import nn
 
 from kit.model import TransformerLM, cross_entropy
+from kit.validate import choice, index, instance, integer, positive_int
 
 Op = tuple[str, int]  # ("F", i) or ("B", i)
-SCHEDULES = ("gpipe", "1f1b")
 
 
 def bubble_fraction(p: int, m: int) -> float:
     """Idle fraction of a GPipe or 1F1B step with ``p`` stages and ``m`` micro-batches: ``(p−1)/(m+p−1)``."""
-    for name, value in (("p", p), ("m", m)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an int ≥ 1, got {value!r}")
+    positive_int("p", p)
+    positive_int("m", m)
     # BEGIN SOLUTION p−1 idle slots out of m+p−1 (handout 06 §3.2)
     return (p - 1) / (m + p - 1)
     # END SOLUTION
@@ -45,8 +44,7 @@ def bubble_fraction(p: int, m: int) -> float:
 
 def split_layers(num_layers: int, pp: int) -> list[tuple[int, int]]:
     """Contiguous ``[start, end)`` layer ranges for ``pp`` stages; the first ``num_layers % pp`` get one more."""
-    if not isinstance(num_layers, int) or not isinstance(pp, int) or pp < 1 or num_layers < pp:
-        raise ValueError(f"need ints with 1 ≤ pp ≤ num_layers, got num_layers={num_layers!r}, pp={pp!r}")
+    integer("pp", pp, minimum=1, maximum=positive_int("num_layers", num_layers))  # 1 ≤ pp ≤ num_layers
     # BEGIN SOLUTION balance the layers, earlier stages take the remainder (handout 06 §3.1)
     base, extra = divmod(num_layers, pp)
     ranges, start = [], 0
@@ -69,10 +67,8 @@ class PipelineStage(nn.Module):
 
     def __init__(self, model: TransformerLM, stage: int, num_stages: int):
         super().__init__()
-        if not isinstance(model, TransformerLM):
-            raise TypeError(f"model must be a kit.model.TransformerLM, got {type(model).__name__}")
-        if not isinstance(stage, int) or not 0 <= stage < num_stages:
-            raise ValueError(f"stage must be an int in [0, num_stages={num_stages}), got {stage!r}")
+        instance("model", model, TransformerLM, "a kit.model.TransformerLM")
+        index("stage", stage, num_stages)
         self.stage, self.num_stages = stage, num_stages
         self.is_first, self.is_last = stage == 0, stage == num_stages - 1
         self.layer_range = split_layers(len(model.layers), num_stages)[stage]
@@ -119,15 +115,241 @@ def one_f_one_b_order(p: int, s: int, m: int) -> list[Op]:
     # END SOLUTION
 
 
-def _check_psm(p: int, s: int, m: int) -> None:
-    for name, value in (("p", p), ("m", m)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an int ≥ 1, got {value!r}")
-    if not isinstance(s, int) or not 0 <= s < p:
-        raise ValueError(f"s must be a stage index in [0, {p}), got {s!r}")
-
-
+#: The schedules by name, each ``order(p, s, m)``: the one place the kit lists them.
 ORDERS: dict[str, Callable[[int, int, int], list[Op]]] = {"gpipe": gpipe_order, "1f1b": one_f_one_b_order}
+SCHEDULES = tuple(ORDERS)
+
+
+@dataclass
+class PipelineResult:
+    """What one pipelined step reports, on every rank of the pipeline.
+
+    ``loss``: mean over micro-batches of ``loss_fn`` (computed on the last stage, broadcast to all).
+    ``peak_activation_bytes``: this stage's :class:`ActivationMeter` peak. ``peak_in_flight``: most
+    micro-batches forwarded but not yet backwarded at once. ``busy_s``/``total_s``: seconds computing
+    vs the whole step (``1 − busy/total`` is the measured bubble). ``events``: ``(op, i, t0, t1)``.
+    """
+
+    loss: float
+    peak_activation_bytes: int
+    peak_in_flight: int
+    busy_s: float
+    total_s: float
+    events: list[tuple[str, int, float, float]] = field(default_factory=list)
+
+
+# BEGIN SCAFFOLD
+@dataclass
+class _Step:
+    """What the operations of one pipelined step share (given: :func:`run_schedule` builds it)."""
+
+    stage: nn.Module
+    microbatches: Sequence[tuple[torch.Tensor, torch.Tensor]]
+    group: dist.ProcessGroup
+    prev_rank: int | None  # global rank of stage s−1 (None on the first stage)
+    next_rank: int | None  # global rank of stage s+1 (None on the last stage)
+    activation_shape: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    meter: ActivationMeter
+    total_loss: torch.Tensor  # sum of the micro-batch losses (fp32, last stage)
+    saved: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = field(default_factory=dict)  # i -> (input, output)
+    sends: list[tuple[dist.Work, torch.Tensor]] = field(default_factory=list)  # pending isends and their tensors
+    peak_in_flight: int = 0  # most micro-batches in `saved` at once
+# END SCAFFOLD
+
+
+def _forward_op(step: _Step, i: int) -> tuple[float, float]:
+    """``F i``: get the input, run the stage under ``step.meter``, send the output on; keep what ``B i`` needs.
+
+    The first stage reads micro-batch ``i``'s tokens; the others ``dist.recv`` an ``activation_shape``
+    tensor of ``dtype`` from ``prev_rank`` and make it require grad (its ``.grad`` is what ``B i`` sends
+    back). The last stage computes ``loss_fn(logits, targets)``, adds it to ``total_loss`` and keeps
+    ``loss / m`` as its output; the others ``dist.isend`` a contiguous copy of the output to ``next_rank``
+    and keep tensor and ``Work`` in ``sends`` until the end of the step. Then ``saved[i] = (input or None on
+    the first stage, output)`` and ``peak_in_flight`` is updated. Returns ``perf_counter`` at the start and
+    the end of the computation (not of the receive).
+    """
+    # BEGIN SOLUTION recv (or embed), compute under the meter, isend the output or add the loss, save (handout 06 §3.2)
+    inputs, targets = step.microbatches[i]
+    if step.stage.is_first:
+        x = inputs
+    else:
+        x = torch.empty(step.activation_shape, dtype=step.dtype, device=step.device)
+        dist.recv(x, src=step.prev_rank, group=step.group)
+        x.requires_grad_()
+    t0 = time.perf_counter()
+    with step.meter:
+        y = step.stage(x)
+        if step.stage.is_last:
+            loss = step.loss_fn(y, targets)
+            step.total_loss += loss.detach().float()
+            y = loss / len(step.microbatches)
+    t1 = time.perf_counter()
+    if not step.stage.is_last:
+        out = y.detach().contiguous()  # kept alive with its Work until the send completes (NCCL)
+        step.sends.append((dist.isend(out, dst=step.next_rank, group=step.group), out))
+    step.saved[i] = (x if not step.stage.is_first else None, y)
+    step.peak_in_flight = max(step.peak_in_flight, len(step.saved))
+    return t0, t1
+    # END SOLUTION
+
+
+def _backward_op(step: _Step, i: int) -> tuple[float, float]:
+    """``B i``: get ∂L/∂output, backpropagate through micro-batch ``i``'s graph, send ∂L/∂input back.
+
+    Pops ``saved[i]``. The last stage backpropagates from its saved ``loss / m``; the others ``dist.recv``
+    the output's gradient from ``next_rank``. Every stage but the first ``dist.isend``-s its input's
+    ``.grad`` to ``prev_rank`` (kept in ``sends``). Dropping the saved tensors frees the activations.
+    Returns ``perf_counter`` at the start and the end of the backward (not of the receive).
+    """
+    # BEGIN SOLUTION pop the pair, recv ∂L/∂y (unless last), backward, isend ∂L/∂x (unless first) (handout 06 §3.2)
+    x, y = step.saved.pop(i)
+    grad_y = None
+    if not step.stage.is_last:
+        grad_y = torch.empty_like(y)
+        dist.recv(grad_y, src=step.next_rank, group=step.group)
+    t0 = time.perf_counter()
+    torch.autograd.backward(y, grad_y)
+    t1 = time.perf_counter()
+    if not step.stage.is_first:
+        grad_x = x.grad.contiguous()
+        step.sends.append((dist.isend(grad_x, dst=step.prev_rank, group=step.group), grad_x))
+    return t0, t1
+    # END SOLUTION
+
+
+def run_schedule(
+    stage: nn.Module,
+    microbatches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    order: Sequence[Op],
+    *,
+    group: dist.ProcessGroup | None,
+    activation_shape: Sequence[int],
+    dtype: torch.dtype = torch.float32,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy,
+) -> PipelineResult:
+    """Run this stage's ``order`` of F/B operations; gradients accumulate into ``stage``'s parameters.
+
+    Args:
+        stage: this rank's stage (``stage.is_first``/``stage.is_last`` say what it receives and sends).
+        microbatches: ``m`` pairs ``(inputs (b, T) int64, targets (b, T) int64)``, the same on every stage
+            (the first stage reads inputs, the last reads targets).
+        order: this stage's operations, e.g. ``one_f_one_b_order(p, s, m)``.
+        group: the pipeline process group; stage ``s`` is group rank ``s``.
+        activation_shape: the shape of the activation between stages, ``(b, T, d_model)``.
+        loss_fn: ``loss_fn(logits, targets)``; each micro-batch's loss is scaled by ``1/m`` before its
+            backward, so the gradients are those of the mean loss.
+
+    Point-to-point: activations go to group rank ``s+1``, gradients to ``s−1``, with ``dist.isend`` (waited
+    at the end of the step) and blocking ``dist.recv``. Returns a :class:`PipelineResult`.
+    """
+    m = len(microbatches)
+    if m < 1:
+        raise ValueError("microbatches must hold at least one (inputs, targets) pair")
+    if sorted(order) != sorted([("F", i) for i in range(m)] + [("B", i) for i in range(m)]):
+        raise ValueError(f"order must contain F i and B i exactly once for each of the {m} micro-batches")
+    # BEGIN SCAFFOLD run F/B ops in order with blocking recv and isend; report a PipelineResult (handout 06 §3.2)
+    if group is None:
+        group = dist.group.WORLD
+    p, s = dist.get_world_size(group), dist.get_rank(group)
+    params = list(stage.parameters())
+    device = params[0].device if params else torch.device("cpu")
+    meter = ActivationMeter(params)
+    step = _Step(stage, microbatches, group, prev_rank=dist.get_global_rank(group, s - 1) if s > 0 else None,
+                 next_rank=dist.get_global_rank(group, s + 1) if s < p - 1 else None,
+                 activation_shape=tuple(activation_shape), dtype=dtype, device=device, loss_fn=loss_fn, meter=meter,
+                 total_loss=torch.zeros((), dtype=torch.float32, device=device))
+    start = time.perf_counter()
+    busy = 0.0
+    events: list[tuple[str, int, float, float]] = []
+    # END SCAFFOLD
+    # BEGIN PROMPT
+    # for op, i in order:
+    #     t0, t1 = ...  # _forward_op(step, i) for "F", _backward_op(step, i) for "B"
+    #     busy += t1 - t0
+    #     events.append((op, i, t0 - start, t1 - start))
+    # ...  # wait on every Work in step.sends; broadcast step.total_loss from the last stage (group rank p - 1)
+    # END PROMPT
+    # BEGIN SOLUTION run the ops in order and time them; wait on the sends; broadcast the loss (handout 06 §3.2)
+    for op, i in order:
+        t0, t1 = _forward_op(step, i) if op == "F" else _backward_op(step, i)
+        busy += t1 - t0
+        events.append((op, i, t0 - start, t1 - start))
+    for work, _ in step.sends:
+        work.wait()
+    # The loss lives on the last stage; every stage reports it.
+    dist.broadcast(step.total_loss, src=dist.get_global_rank(group, p - 1), group=group)
+    # END SOLUTION
+    return PipelineResult(
+        loss=float(step.total_loss.cpu()) / m,
+        peak_activation_bytes=meter.peak,
+        peak_in_flight=step.peak_in_flight,
+        busy_s=busy,
+        total_s=time.perf_counter() - start,
+        events=events,
+    )
+
+
+def gpipe(stage: nn.Module, microbatches: Sequence[tuple[torch.Tensor, torch.Tensor]], **kwargs) -> PipelineResult:
+    """One GPipe step (all forwards, then all backwards); ``kwargs`` as :func:`run_schedule`."""
+    group = kwargs.get("group")
+    return run_schedule(stage, microbatches, gpipe_order(dist.get_world_size(group), dist.get_rank(group),
+                                                         len(microbatches)), **kwargs)
+
+
+def one_f_one_b(stage: nn.Module, microbatches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+                **kwargs) -> PipelineResult:
+    """One 1F1B step; ``kwargs`` as :func:`run_schedule`."""
+    group = kwargs.get("group")
+    return run_schedule(stage, microbatches, one_f_one_b_order(dist.get_world_size(group), dist.get_rank(group),
+                                                               len(microbatches)), **kwargs)
+
+
+def simulate_schedule(kind: str, p: int, m: int, t_forward: float = 1.0, t_backward: float = 2.0
+                      ) -> list[list[tuple[str, int, float, float]]]:
+    """Timeline of a schedule on ideal hardware: per stage a list of ``(op, i, start, end)``.
+
+    Each stage runs its ops in order; ``F i`` on stage ``s`` waits for ``F i`` on ``s−1``, ``B i`` waits for
+    ``B i`` on ``s+1`` (on the last stage, for its own ``F i``). Communication is free. Given helper for
+    the notebook and the benchmark; uses :func:`gpipe_order` / :func:`one_f_one_b_order`.
+    """
+    choice("kind", kind, SCHEDULES)
+    orders = [ORDERS[kind](p, s, m) for s in range(p)]
+    done: dict[tuple[str, int, int], float] = {}
+    timeline: list[list[tuple[str, int, float, float]]] = [[] for _ in range(p)]
+    cursor, free = [0] * p, [0.0] * p
+    while any(cursor[s] < len(orders[s]) for s in range(p)):
+        progressed = False
+        for s in range(p):
+            if cursor[s] == len(orders[s]):
+                continue
+            op, i = orders[s][cursor[s]]
+            dep = ("F", s - 1, i) if op == "F" and s > 0 else ("B", s + 1, i) if op == "B" and s < p - 1 else None
+            if op == "B" and s == p - 1:
+                dep = ("F", s, i)
+            if dep is not None and dep not in done:
+                continue
+            t0 = max(free[s], done.get(dep, 0.0))
+            t1 = t0 + (t_forward if op == "F" else t_backward)
+            done[(op, s, i)] = free[s] = t1
+            timeline[s].append((op, i, t0, t1))
+            cursor[s] += 1
+            progressed = True
+        if not progressed:
+            raise RuntimeError(f"schedule {kind!r} deadlocks for p={p}, m={m}")
+    return timeline
+
+
+# ------------------------------------------------------------------------------------------------------
+# Given helpers: argument checks and the activation meter. Read them; no need to change them.
+
+
+def _check_psm(p: int, s: int, m: int) -> None:
+    positive_int("p", p)
+    positive_int("m", m)
+    index("s", s, p)  # a stage index
 
 
 class ActivationMeter:
@@ -186,172 +408,3 @@ class _Saved:
             meter.current -= meter._sizes.pop(self.key)
         else:
             meter._refs[self.key] = refs
-
-
-@dataclass
-class PipelineResult:
-    """What one pipelined step reports, on every rank of the pipeline.
-
-    ``loss``: mean over micro-batches of ``loss_fn`` (computed on the last stage, broadcast to all).
-    ``peak_activation_bytes``: this stage's :class:`ActivationMeter` peak. ``peak_in_flight``: most
-    micro-batches forwarded but not yet backwarded at once. ``busy_s``/``total_s``: seconds computing
-    vs the whole step (``1 − busy/total`` is the measured bubble). ``events``: ``(op, i, t0, t1)``.
-    """
-
-    loss: float
-    peak_activation_bytes: int
-    peak_in_flight: int
-    busy_s: float
-    total_s: float
-    events: list[tuple[str, int, float, float]] = field(default_factory=list)
-
-
-def run_schedule(
-    stage: nn.Module,
-    microbatches: Sequence[tuple[torch.Tensor, torch.Tensor]],
-    order: Sequence[Op],
-    *,
-    group: dist.ProcessGroup | None,
-    activation_shape: Sequence[int],
-    dtype: torch.dtype = torch.float32,
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy,
-) -> PipelineResult:
-    """Run this stage's ``order`` of F/B operations; gradients accumulate into ``stage``'s parameters.
-
-    Args:
-        stage: this rank's stage (``stage.is_first``/``stage.is_last`` say what it receives and sends).
-        microbatches: ``m`` pairs ``(inputs (b, T) int64, targets (b, T) int64)``, the same on every stage
-            (the first stage reads inputs, the last reads targets).
-        order: this stage's operations, e.g. ``one_f_one_b_order(p, s, m)``.
-        group: the pipeline process group; stage ``s`` is group rank ``s``.
-        activation_shape: the shape of the activation between stages, ``(b, T, d_model)``.
-        loss_fn: ``loss_fn(logits, targets)``; each micro-batch's loss is scaled by ``1/m`` before its
-            backward, so the gradients are those of the mean loss.
-
-    Point-to-point: activations go to group rank ``s+1``, gradients to ``s−1``, with ``dist.isend`` (waited
-    at the end of the step) and blocking ``dist.recv``. Returns a :class:`PipelineResult`.
-    """
-    m = len(microbatches)
-    if m < 1:
-        raise ValueError("microbatches must hold at least one (inputs, targets) pair")
-    if sorted(order) != sorted([("F", i) for i in range(m)] + [("B", i) for i in range(m)]):
-        raise ValueError(f"order must contain F i and B i exactly once for each of the {m} micro-batches")
-    if group is None:
-        group = dist.group.WORLD
-    p, s = dist.get_world_size(group), dist.get_rank(group)
-    prev_rank = dist.get_global_rank(group, s - 1) if s > 0 else None
-    next_rank = dist.get_global_rank(group, s + 1) if s < p - 1 else None
-    params = list(stage.parameters())
-    device = params[0].device if params else torch.device("cpu")
-    meter = ActivationMeter(params)
-    start = time.perf_counter()
-    busy = 0.0
-    events: list[tuple[str, int, float, float]] = []
-    sends: list[tuple[dist.Work, torch.Tensor]] = []
-    total_loss = torch.zeros((), dtype=torch.float32, device=device)
-    # BEGIN SOLUTION run each F/B op: recv, compute, isend; keep activations until the B (handout 06 §3.2)
-    saved: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}  # i -> (stage input, output or loss)
-    peak_in_flight = 0
-    for op, i in order:
-        if op == "F":
-            inputs, targets = microbatches[i]
-            if stage.is_first:
-                x = inputs
-            else:
-                x = torch.empty(tuple(activation_shape), dtype=dtype, device=device)
-                dist.recv(x, src=prev_rank, group=group)
-                x.requires_grad_()
-            t0 = time.perf_counter()
-            with meter:
-                y = stage(x)
-                if stage.is_last:
-                    loss = loss_fn(y, targets)
-                    total_loss += loss.detach().float()
-                    y = loss / m
-            t1 = time.perf_counter()
-            if not stage.is_last:
-                out = y.detach().contiguous()  # kept alive with its Work until the send completes (NCCL)
-                sends.append((dist.isend(out, dst=next_rank, group=group), out))
-            saved[i] = (x if not stage.is_first else None, y)
-            peak_in_flight = max(peak_in_flight, len(saved))
-        else:
-            x, y = saved.pop(i)
-            if stage.is_last:
-                grad_y = None
-            else:
-                grad_y = torch.empty_like(y)
-                dist.recv(grad_y, src=next_rank, group=group)
-            t0 = time.perf_counter()
-            torch.autograd.backward(y, grad_y)
-            t1 = time.perf_counter()
-            del y
-            if not stage.is_first:
-                grad_x = x.grad.contiguous()
-                sends.append((dist.isend(grad_x, dst=prev_rank, group=group), grad_x))
-        busy += t1 - t0
-        events.append((op, i, t0 - start, t1 - start))
-    for work, _ in sends:
-        work.wait()
-    # The loss lives on the last stage; every stage reports it.
-    last_rank = dist.get_global_rank(group, p - 1)
-    dist.broadcast(total_loss, src=last_rank, group=group)
-    # END SOLUTION
-    return PipelineResult(
-        loss=float(total_loss.cpu()) / m,
-        peak_activation_bytes=meter.peak,
-        peak_in_flight=peak_in_flight,
-        busy_s=busy,
-        total_s=time.perf_counter() - start,
-        events=events,
-    )
-
-
-def gpipe(stage: nn.Module, microbatches: Sequence[tuple[torch.Tensor, torch.Tensor]], **kwargs) -> PipelineResult:
-    """One GPipe step (all forwards, then all backwards); ``kwargs`` as :func:`run_schedule`."""
-    group = kwargs.get("group")
-    return run_schedule(stage, microbatches, gpipe_order(dist.get_world_size(group), dist.get_rank(group),
-                                                         len(microbatches)), **kwargs)
-
-
-def one_f_one_b(stage: nn.Module, microbatches: Sequence[tuple[torch.Tensor, torch.Tensor]],
-                **kwargs) -> PipelineResult:
-    """One 1F1B step; ``kwargs`` as :func:`run_schedule`."""
-    group = kwargs.get("group")
-    return run_schedule(stage, microbatches, one_f_one_b_order(dist.get_world_size(group), dist.get_rank(group),
-                                                               len(microbatches)), **kwargs)
-
-
-def simulate_schedule(kind: str, p: int, m: int, t_forward: float = 1.0, t_backward: float = 2.0
-                      ) -> list[list[tuple[str, int, float, float]]]:
-    """Timeline of a schedule on ideal hardware: per stage a list of ``(op, i, start, end)``.
-
-    Each stage runs its ops in order; ``F i`` on stage ``s`` waits for ``F i`` on ``s−1``, ``B i`` waits for
-    ``B i`` on ``s+1`` (on the last stage, for its own ``F i``). Communication is free. Given helper for
-    the notebook and the benchmark; uses :func:`gpipe_order` / :func:`one_f_one_b_order`.
-    """
-    if kind not in ORDERS:
-        raise ValueError(f"kind must be one of {SCHEDULES}, got {kind!r}")
-    orders = [ORDERS[kind](p, s, m) for s in range(p)]
-    done: dict[tuple[str, int, int], float] = {}
-    timeline: list[list[tuple[str, int, float, float]]] = [[] for _ in range(p)]
-    cursor, free = [0] * p, [0.0] * p
-    while any(cursor[s] < len(orders[s]) for s in range(p)):
-        progressed = False
-        for s in range(p):
-            if cursor[s] == len(orders[s]):
-                continue
-            op, i = orders[s][cursor[s]]
-            dep = ("F", s - 1, i) if op == "F" and s > 0 else ("B", s + 1, i) if op == "B" and s < p - 1 else None
-            if op == "B" and s == p - 1:
-                dep = ("F", s, i)
-            if dep is not None and dep not in done:
-                continue
-            t0 = max(free[s], done.get(dep, 0.0))
-            t1 = t0 + (t_forward if op == "F" else t_backward)
-            done[(op, s, i)] = free[s] = t1
-            timeline[s].append((op, i, t0, t1))
-            cursor[s] += 1
-            progressed = True
-        if not progressed:
-            raise RuntimeError(f"schedule {kind!r} deadlocks for p={p}, m={m}")
-    return timeline

@@ -22,10 +22,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-
-def _check_group(group: object) -> None:
-    if group is not None and not isinstance(group, dist.ProcessGroup):
-        raise TypeError(f"group must be a torch.distributed ProcessGroup or None, got {type(group).__name__}")
+from kit.validate import instance
 
 
 class _CopyToTensorParallel(torch.autograd.Function):
@@ -68,21 +65,17 @@ class _ReduceFromTensorParallel(torch.autograd.Function):
 def copy_to_tensor_parallel(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Megatron's **f**: returns ``x`` unchanged; in the backward, all-reduces ∂L/∂x over ``group``."""
     _check_group(group)
+    # BEGIN SCAFFOLD an autograd.Function: identity forward, all-reduce of the gradient backward (handout 06 §2.1)
     return _CopyToTensorParallel.apply(x, group)
+    # END SCAFFOLD
 
 
 def reduce_from_tensor_parallel(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Megatron's **g**: returns the sum of ``x`` over ``group``; the backward passes ∂L/∂y unchanged."""
     _check_group(group)
+    # BEGIN SCAFFOLD an autograd.Function: all-reduce forward, identity backward (handout 06 §2.1)
     return _ReduceFromTensorParallel.apply(x, group)
-
-
-def _shard(weight: torch.Tensor, dim: int, group: dist.ProcessGroup | None, what: str) -> torch.Tensor:
-    """This rank's contiguous slice of ``weight`` along ``dim`` (a copy)."""
-    size, rank = dist.get_world_size(group), dist.get_rank(group)
-    if weight.shape[dim] % size:
-        raise ValueError(f"{what}: dimension {dim} of size {weight.shape[dim]} is not divisible by the tp size {size}")
-    return weight.detach().chunk(size, dim=dim)[rank].clone()
+    # END SCAFFOLD
 
 
 class ColumnParallelLinear(nn.Module):
@@ -172,6 +165,68 @@ class RowParallelLinear(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, tp={self.tp}"
 
 
+def parallelize_block(block: nn.Module, tp_group: dist.ProcessGroup | None) -> nn.Module:
+    """Split one kit ``Block`` across the tensor-parallel group, in place; returns the block.
+
+    Attention: ``q_proj``, ``k_proj``, ``v_proj`` become :class:`ColumnParallelLinear` (each rank gets
+    ``num_heads / tp`` whole heads — the attention itself needs no communication), ``output_proj``
+    becomes :class:`RowParallelLinear`. A SwiGLU ``ffn`` (``w1``, ``w2``, ``w3``): w1 and w3 column-, w2
+    row-parallel. A feed-forward whose ``w1`` is not an ``nn.Linear`` (a mixture of experts) is left to
+    expert parallelism. Norms stay replicated. **f** is applied once at the input of ``attn`` and of the
+    SwiGLU ``ffn`` (forward pre-hooks), so a block costs exactly one all-reduce per sub-layer in the
+    forward (g in the row-parallel layers) and one per sub-layer in the backward (f).
+    ``tp_group`` may be a ``ProcessGroup`` or a 1-D ``DeviceMesh``.
+
+    Raises:
+        ValueError: the number of heads or ``d_ff`` is not divisible by the tp size.
+    """
+    group = tp_group.get_group() if hasattr(tp_group, "get_group") else tp_group
+    _check_group(group)
+    if not hasattr(block, "attn") or not hasattr(block.attn, "q_proj"):
+        raise TypeError(f"block must be a kit.model.Block (with attn.q_proj …), got {type(block).__name__}")
+    tp = dist.get_world_size(group)
+    heads = block.attn.q_proj.out_features // block.attn.d_head
+    if heads % tp:
+        raise ValueError(f"parallelize_block: {heads} attention heads are not divisible by the tp size {tp}")
+    ffn = block.ffn
+    if hasattr(ffn, "w1") and isinstance(ffn.w1, nn.Linear) and ffn.w1.out_features % tp:
+        raise ValueError(f"parallelize_block: d_ff = {ffn.w1.out_features} is not divisible by the tp size {tp}")
+    # BEGIN SOLUTION q/k/v, w1, w3 column-, output_proj, w2 row-parallel; f once per sub-layer (handout 06 §2.3)
+
+    # f once at the input of each sub-layer (not once per column-parallel projection).
+    def apply_f(module: nn.Module, args: tuple) -> tuple:
+        return (copy_to_tensor_parallel(args[0], group), *args[1:])
+
+    attn = block.attn
+    for name in ("q_proj", "k_proj", "v_proj"):
+        setattr(attn, name, ColumnParallelLinear.from_linear(getattr(attn, name), group, copy_input=False))
+    attn.output_proj = RowParallelLinear.from_linear(attn.output_proj, group)
+    attn.register_forward_pre_hook(apply_f)
+    if hasattr(ffn, "w1") and isinstance(ffn.w1, nn.Linear):
+        ffn.w1 = ColumnParallelLinear.from_linear(ffn.w1, group, copy_input=False)
+        ffn.w3 = ColumnParallelLinear.from_linear(ffn.w3, group, copy_input=False)
+        ffn.w2 = RowParallelLinear.from_linear(ffn.w2, group)
+        ffn.register_forward_pre_hook(apply_f)
+    return block
+    # END SOLUTION
+
+
+# ------------------------------------------------------------------------------------------------------
+# Given helpers: argument checks, weight sharding, and the all-gather used by ColumnParallelLinear(gather_output=True).
+
+
+def _check_group(group: object) -> None:
+    instance("group", group, (dist.ProcessGroup, type(None)), "a torch.distributed ProcessGroup or None")
+
+
+def _shard(weight: torch.Tensor, dim: int, group: dist.ProcessGroup | None, what: str) -> torch.Tensor:
+    """This rank's contiguous slice of ``weight`` along ``dim`` (a copy)."""
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    if weight.shape[dim] % size:
+        raise ValueError(f"{what}: dimension {dim} of size {weight.shape[dim]} is not divisible by the tp size {size}")
+    return weight.detach().chunk(size, dim=dim)[rank].clone()
+
+
 class _GatherFromTensorParallel(torch.autograd.Function):
     """All-gather along the last dimension forward; keep this rank's slice of the gradient backward."""
 
@@ -192,49 +247,3 @@ def gather_from_tensor_parallel(x: torch.Tensor, group: dist.ProcessGroup | None
     """Concatenate every rank's ``x (..., n)`` along the last dimension → ``(..., n·tp)`` (given helper)."""
     _check_group(group)
     return _GatherFromTensorParallel.apply(x, group)
-
-
-def parallelize_block(block: nn.Module, tp_group: dist.ProcessGroup | None) -> nn.Module:
-    """Split one kit ``Block`` across the tensor-parallel group, in place; returns the block.
-
-    Attention: ``q_proj``, ``k_proj``, ``v_proj`` become :class:`ColumnParallelLinear` (each rank gets
-    ``num_heads / tp`` whole heads — the attention itself needs no communication), ``output_proj``
-    becomes :class:`RowParallelLinear`. A SwiGLU ``ffn`` (``w1``, ``w2``, ``w3``): w1 and w3 column-, w2
-    row-parallel. A feed-forward whose ``w1`` is not an ``nn.Linear`` (a mixture of experts) is left to
-    expert parallelism. Norms stay replicated. **f** is applied once at the input of ``attn`` and of the
-    SwiGLU ``ffn`` (forward pre-hooks), so a block costs exactly one all-reduce per sub-layer in the
-    forward (g in the row-parallel layers) and one per sub-layer in the backward (f).
-    ``tp_group`` may be a ``ProcessGroup`` or a 1-D ``DeviceMesh``.
-
-    Raises:
-        ValueError: the number of heads or ``d_ff`` is not divisible by the tp size.
-    """
-    group = tp_group.get_group() if hasattr(tp_group, "get_group") else tp_group
-    _check_group(group)
-    if not hasattr(block, "attn") or not hasattr(block.attn, "q_proj"):
-        raise TypeError(f"block must be a kit.model.Block (with attn.q_proj …), got {type(block).__name__}")
-    # BEGIN SOLUTION check divisibility; q/k/v, w1, w3 column-, output_proj, w2 row-parallel (handout 06 §2.3)
-    tp = dist.get_world_size(group)
-    heads = block.attn.q_proj.out_features // block.attn.d_head
-    if heads % tp:
-        raise ValueError(f"parallelize_block: {heads} attention heads are not divisible by the tp size {tp}")
-    ffn = block.ffn
-    if hasattr(ffn, "w1") and isinstance(ffn.w1, nn.Linear) and ffn.w1.out_features % tp:
-        raise ValueError(f"parallelize_block: d_ff = {ffn.w1.out_features} is not divisible by the tp size {tp}")
-
-    # f once at the input of each sub-layer (not once per column-parallel projection).
-    def apply_f(module: nn.Module, args: tuple) -> tuple:
-        return (copy_to_tensor_parallel(args[0], group), *args[1:])
-
-    attn = block.attn
-    for name in ("q_proj", "k_proj", "v_proj"):
-        setattr(attn, name, ColumnParallelLinear.from_linear(getattr(attn, name), group, copy_input=False))
-    attn.output_proj = RowParallelLinear.from_linear(attn.output_proj, group)
-    attn.register_forward_pre_hook(apply_f)
-    if hasattr(ffn, "w1") and isinstance(ffn.w1, nn.Linear):
-        ffn.w1 = ColumnParallelLinear.from_linear(ffn.w1, group, copy_input=False)
-        ffn.w3 = ColumnParallelLinear.from_linear(ffn.w3, group, copy_input=False)
-        ffn.w2 = RowParallelLinear.from_linear(ffn.w2, group)
-        ffn.register_forward_pre_hook(apply_f)
-    return block
-    # END SOLUTION

@@ -40,11 +40,12 @@ from torch import nn
 
 from kit.data import random_batch
 from kit.model import ModelConfig, TransformerLM, make_optimizer
+from kit.validate import choice, index, instance, positive_int
 
 from ..ddp import DDPBucketed
 from .expert_parallel import MoEFeedForward, parallelize_moe
 from .mesh import build_mesh, dense_grad_group
-from .pipeline_parallel import PipelineStage, gpipe, one_f_one_b
+from .pipeline_parallel import ORDERS, SCHEDULES, PipelineStage, run_schedule
 from .tensor_parallel import parallelize_block
 
 #: The tiny model the tests, notebook and benchmarks train: 4 blocks, each with a 4-expert MoE.
@@ -80,11 +81,8 @@ class Train4DConfig:
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "ep", "global_batch_size", "micro_batch_size", "grad_accum_steps", "steps",
                      "seq_len", "num_experts", "top_k"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"Train4DConfig.{name} must be an int ≥ 1, got {value!r}")
-        if not isinstance(self.model, ModelConfig):
-            raise TypeError(f"Train4DConfig.model must be a kit.model.ModelConfig, got {type(self.model).__name__}")
+            positive_int(f"Train4DConfig.{name}", getattr(self, name))
+        instance("Train4DConfig.model", self.model, ModelConfig, "a kit.model.ModelConfig")
         expected = self.micro_batch_size * self.grad_accum_steps * self.dp * self.ep
         if self.global_batch_size != expected:
             raise ValueError(
@@ -92,8 +90,7 @@ class Train4DConfig:
                 f"dp × ep = {self.micro_batch_size} × {self.grad_accum_steps} × {self.dp} × {self.ep} = {expected} "
                 "(expert-parallel ranks read their own data, like data-parallel ones)"
             )
-        if self.schedule not in ("gpipe", "1f1b"):
-            raise ValueError(f"Train4DConfig.schedule must be 'gpipe' or '1f1b', got {self.schedule!r}")
+        choice("Train4DConfig.schedule", self.schedule, SCHEDULES)
         if self.seq_len > self.model.context_length:
             raise ValueError(
                 f"seq_len ({self.seq_len}) exceeds the model's context_length ({self.model.context_length})")
@@ -126,29 +123,13 @@ def global_batch(cfg: Train4DConfig, step: int) -> tuple[torch.Tensor, torch.Ten
 
 def microbatches(cfg: Train4DConfig, step: int, shard: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The ``grad_accum_steps`` micro-batches of data shard ``shard`` (``0 ≤ shard < dp·ep``) at ``step``."""
-    if not 0 <= shard < cfg.dp * cfg.ep:
-        raise ValueError(f"shard must be in [0, dp·ep = {cfg.dp * cfg.ep}), got {shard!r}")
+    index("shard", shard, cfg.dp * cfg.ep)  # a data shard: 0 ≤ shard < dp·ep
     # BEGIN SOLUTION MBS·GA consecutive rows for this shard, cut into GA micro-batches (handout 06 §5.2)
     inputs, targets = global_batch(cfg, step)
     b, ga = cfg.micro_batch_size, cfg.grad_accum_steps
     start = shard * b * ga
     return [(inputs[start + i * b:start + (i + 1) * b], targets[start + i * b:start + (i + 1) * b]) for i in range(ga)]
     # END SOLUTION
-
-
-def _device(cfg: Train4DConfig) -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if cfg.device_type == "cuda" else torch.device("cpu")
-
-
-class _Params(nn.Module):
-    """Holds a subset of a stage's parameters (the same tensors) so a DDP wrapper can own just those."""
-
-    def __init__(self, params: list[nn.Parameter]):
-        super().__init__()
-        self.params = nn.ParameterList(params)
-
-    def forward(self) -> None:  # the pipeline runs the real forward; DDP only needs to be told (see _sync)
-        return None
 
 
 @dataclass
@@ -192,7 +173,7 @@ def train_step(part: Parallelized, optimizer: torch.optim.Optimizer, cfg: Train4
     device = _device(cfg)
     batches = [(x.to(device), y.to(device)) for x, y in microbatches(cfg, step, shard)]
     ddps = [d for d in (part.dense_ddp, part.expert_ddp) if d is not None]
-    schedule = one_f_one_b if cfg.schedule == "1f1b" else gpipe
+    order = ORDERS[cfg.schedule](cfg.pp, coords["pp"], len(batches))  # this stage's F/B operations
     # BEGIN SOLUTION whole schedule without DP sync, then sync once, rescale expert grads, step (handout 06 §5.2)
     for ddp in ddps:
         ddp.on_train_batch_start()
@@ -202,8 +183,8 @@ def train_step(part: Parallelized, optimizer: torch.optim.Optimizer, cfg: Train4
         for ddp in ddps:
             stack.enter_context(ddp.no_sync())
             ddp()
-        result = schedule(part.stage, batches, group=mesh.get_group("pp"),
-                          activation_shape=(cfg.micro_batch_size, cfg.seq_len, cfg.model.d_model))
+        result = run_schedule(part.stage, batches, order, group=mesh.get_group("pp"),
+                              activation_shape=(cfg.micro_batch_size, cfg.seq_len, cfg.model.d_model))
     for ddp in ddps:
         ddp()
         ddp.finish_gradient_synchronization()
@@ -242,6 +223,47 @@ def make_train_optimizer(part: Parallelized, cfg: Train4DConfig, mesh) -> torch.
     return _Optimizers(optimizers)
 
 
+def train(cfg: Train4DConfig, mesh=None, *, step_callback=None) -> dict:
+    """Train ``cfg.steps`` steps on this rank; call on every rank of a ``cfg.world_size`` process group.
+
+    Returns ``{"losses": [...] (same on every rank), "params": {name: local tensor}, "coords": {axis: index},
+    "step_s": [...]}``. ``step_callback(step)`` returns a context manager entered around each step (the
+    tests count the bytes each collective moves with it).
+    """
+    instance("cfg", cfg, Train4DConfig, "a Train4DConfig")
+    mesh = mesh or build_mesh(dp=cfg.dp, tp=cfg.tp, pp=cfg.pp, ep=cfg.ep, device_type=cfg.device_type)
+    part = parallelize(build_model(cfg).to(_device(cfg)), mesh, cfg)
+    optimizer = make_train_optimizer(part, cfg, mesh)
+    losses, times = [], []
+    for step in range(cfg.steps):
+        context = step_callback(step) if step_callback else contextlib.nullcontext()
+        t0 = time.perf_counter()
+        with context:
+            losses.append(train_step(part, optimizer, cfg, step, mesh))
+        times.append(time.perf_counter() - t0)
+    params = {n: p.detach().cpu().clone() for n, p in part.stage.named_parameters()}
+    return {"losses": losses, "params": params, "coords": part.coords, "step_s": times}
+
+
+# ------------------------------------------------------------------------------------------------------
+# Given helpers and the command line: read them, no need to change them.
+
+
+def _device(cfg: Train4DConfig) -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if cfg.device_type == "cuda" else torch.device("cpu")
+
+
+class _Params(nn.Module):
+    """Holds a subset of a stage's parameters (the same tensors) so a DDP wrapper can own just those."""
+
+    def __init__(self, params: list[nn.Parameter]):
+        super().__init__()
+        self.params = nn.ParameterList(params)
+
+    def forward(self) -> None:  # the pipeline runs the real forward; DDP only needs to be told (see train_step)
+        return None
+
+
 class _Optimizers:
     """Several optimizers stepped as one."""
 
@@ -255,29 +277,6 @@ class _Optimizers:
     def zero_grad(self, set_to_none: bool = True) -> None:
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=set_to_none)
-
-
-def train(cfg: Train4DConfig, mesh=None, *, step_callback=None) -> dict:
-    """Train ``cfg.steps`` steps on this rank; call on every rank of a ``cfg.world_size`` process group.
-
-    Returns ``{"losses": [...] (same on every rank), "params": {name: local tensor}, "coords": {axis: index},
-    "step_s": [...]}``. ``step_callback(step)`` returns a context manager entered around each step (the
-    tests count the bytes each collective moves with it).
-    """
-    if not isinstance(cfg, Train4DConfig):
-        raise TypeError(f"cfg must be a Train4DConfig, got {type(cfg).__name__}")
-    mesh = mesh or build_mesh(dp=cfg.dp, tp=cfg.tp, pp=cfg.pp, ep=cfg.ep, device_type=cfg.device_type)
-    part = parallelize(build_model(cfg).to(_device(cfg)), mesh, cfg)
-    optimizer = make_train_optimizer(part, cfg, mesh)
-    losses, times = [], []
-    for step in range(cfg.steps):
-        context = step_callback(step) if step_callback else contextlib.nullcontext()
-        t0 = time.perf_counter()
-        with context:
-            losses.append(train_step(part, optimizer, cfg, step, mesh))
-        times.append(time.perf_counter() - t0)
-    params = {n: p.detach().cpu().clone() for n, p in part.stage.named_parameters()}
-    return {"losses": losses, "params": params, "coords": part.coords, "step_s": times}
 
 
 def _spawned(cfg_dict: dict) -> dict:
@@ -308,7 +307,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--grad-accum-steps", type=int, default=2)
     ap.add_argument("--global-batch-size", type=int, default=None, help="default: MBS × GA × dp × ep")
     ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--schedule", choices=("gpipe", "1f1b"), default="1f1b")
+    ap.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
     ap.add_argument("--zero", action="store_true", help="ZeRO-1 (Stage 5) for the dense parameters")
     args = ap.parse_args(argv)
     gbs = args.global_batch_size or args.micro_batch_size * args.grad_accum_steps * args.dp * args.ep

@@ -1,4 +1,4 @@
-# Your work goes in this file. Generated from the kit's reference by `make student`.
+# Given code — read, don't edit. Generated from the kit's reference by `make student`.
 """Stage 3 — FlashAttention-2 in PyTorch and Triton, forward and backward (handout/03-flash-attention.md).
 
 One file per idea:

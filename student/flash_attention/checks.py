@@ -1,4 +1,4 @@
-# Your work goes in this file. Generated from the kit's reference by `make student`.
+# Given code — read, don't edit. Generated from the kit's reference by `make student`.
 """Given code: the input contract every FlashAttention entry point checks before doing any work.
 
 The kernels see attention as a batch of independent problems: ``q`` of shape ``(..., Nq, D)``, ``k`` and

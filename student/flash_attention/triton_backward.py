@@ -44,6 +44,8 @@ def flash_bwd_preprocess_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
     """Delta[bh, i] = Σ_d O[bh, i, d] · dO[bh, i, d] in fp32. Grid ``(⌈Nq/BLOCK_M⌉, BH)``."""
+    if not triton.knobs.runtime.interpret:  # compiled for a GPU: fail to compile, with this message
+        tl.static_assert(False, "NotImplementedError: flash_bwd_preprocess_kernel: row-wise dot products of O and dO tiles, in fp32 (handout 03 §6)")
     raise NotImplementedError("flash_bwd_preprocess_kernel: row-wise dot products of O and dO tiles, in fp32 (handout 03 §6)")
 
 
@@ -62,6 +64,8 @@ def _dkdv_inner(
     set to −inf for query rows ≥ Nq and, when ``MASK_DIAGONAL``, where i < j; Pᵀ = exp2(sᵀ − L·log2 e);
     dV += Pᵀ dO; dPᵀ = v dOᵀ; dSᵀ = Pᵀ ∘ (dPᵀ − D); dK += dSᵀ q. Returns (dk, dv).
     """
+    if not triton.knobs.runtime.interpret:  # compiled for a GPU: fail to compile, with this message
+        tl.static_assert(False, "NotImplementedError: _dkdv_inner: per query tile: recompute Pᵀ, accumulate dV and dK (handout 03 §6)")
     raise NotImplementedError("_dkdv_inner: per query tile: recompute Pᵀ, accumulate dV and dK (handout 03 §6)")
 
 
@@ -83,6 +87,8 @@ def flash_bwd_dkdv_kernel(
     then [start_n + BLOCK_N, Nq) unmasked (rows < start_n see none of these keys); store dK · sm_scale
     and dV.
     """
+    if not triton.knobs.runtime.interpret:  # compiled for a GPU: fail to compile, with this message
+        tl.static_assert(False, "NotImplementedError: flash_bwd_dkdv_kernel: load k, v; run _dkdv_inner (diagonal masked, rest unmasked); store dK, dV (handout 03 §6)")
     raise NotImplementedError("flash_bwd_dkdv_kernel: load k, v; run _dkdv_inner (diagonal masked, rest unmasked); store dK, dV (handout 03 §6)")
 
 
@@ -99,6 +105,8 @@ def _dq_inner(
     For each key tile: load k and v (rows ≥ Nk masked); s = q kᵀ · qk_scale, −inf for keys ≥ Nk and,
     when ``MASK_DIAGONAL``, for j > i; P = exp2(s − L·log2 e); dP = dO vᵀ; dS = P ∘ (dP − D); dQ += dS k.
     """
+    if not triton.knobs.runtime.interpret:  # compiled for a GPU: fail to compile, with this message
+        tl.static_assert(False, "NotImplementedError: _dq_inner: per key tile: recompute P, accumulate dQ += dS k (handout 03 §6)")
     raise NotImplementedError("_dq_inner: per key tile: recompute P, accumulate dQ += dS k (handout 03 §6)")
 
 
@@ -117,6 +125,8 @@ def flash_bwd_dq_kernel(
     key tiles exactly as the forward visits them (unmasked left of the diagonal, masked on it, skipped
     right of it); store dQ · sm_scale.
     """
+    if not triton.knobs.runtime.interpret:  # compiled for a GPU: fail to compile, with this message
+        tl.static_assert(False, "NotImplementedError: flash_bwd_dq_kernel: load q, dO, L, D; run _dq_inner over key tiles as in the forward; store dQ (handout 03 §6)")
     raise NotImplementedError("flash_bwd_dq_kernel: load q, dO, L, D; run _dq_inner over key tiles as in the forward; store dQ (handout 03 §6)")
 
 

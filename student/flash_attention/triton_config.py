@@ -1,4 +1,4 @@
-# Your work goes in this file. Generated from the kit's reference by `make student`.
+# Given code — read, don't edit. Generated from the kit's reference by `make student`.
 """Given code: how the Triton kernels are configured — compiled and autotuned on a GPU, interpreted on a CPU.
 
 One kernel source runs in two worlds (handout 03 §5):

@@ -50,6 +50,8 @@ def _fwd_inner(
     for keys j > i; then m_new = max(m, rowmax s₂), p = exp2(s₂ − m_new), α = exp2(m − m_new),
     l = α·l + rowsum p, acc = α·acc + p V (p cast to V's dtype). Returns the new (acc, l_i, m_i).
     """
+    if not triton.knobs.runtime.interpret:  # compiled for a GPU: fail to compile, with this message
+        tl.static_assert(False, "NotImplementedError: _fwd_inner: per key tile: log2-domain scores, masks, online-softmax update (handout 03 §5)")
     raise NotImplementedError("_fwd_inner: per key tile: log2-domain scores, masks, online-softmax update (handout 03 §5)")
 
 
@@ -71,6 +73,8 @@ def flash_fwd_kernel(
     [0, Nk) unmasked; causal: [0, start_m) unmasked, then [start_m, start_m + BLOCK_M) with the diagonal
     mask, and nothing beyond; store O = acc / l in O's dtype and L = ln 2 · (m + log2 l).
     """
+    if not triton.knobs.runtime.interpret:  # compiled for a GPU: fail to compile, with this message
+        tl.static_assert(False, "NotImplementedError: flash_fwd_kernel: load the Q tile, run _fwd_inner (off-diagonal, then diagonal), store O and L (handout 03 §5)")
     raise NotImplementedError("flash_fwd_kernel: load the Q tile, run _fwd_inner (off-diagonal, then diagonal), store O and L (handout 03 §5)")
 
 

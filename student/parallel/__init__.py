@@ -1,4 +1,4 @@
-# Your work goes in this file. Generated from the kit's reference by `make student`.
+# Given code — read, don't edit. Generated from the kit's reference by `make student`.
 """Stage 6 — a 4D device mesh: data × tensor × pipeline × expert parallelism (handout/06-4d-parallelism.md).
 
 One module per idea:

@@ -16,6 +16,9 @@ from __future__ import annotations
 
 import math
 
+from kit.validate import choice, index, instance, positive_int, positive_number
+
+from ..zero import ZERO_STAGES, zero_memory_accounting
 from .expert_parallel import expert_capacity
 from .pipeline_parallel import split_layers
 from .train_4d import Train4DConfig
@@ -23,24 +26,20 @@ from .train_4d import Train4DConfig
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send", "recv")
 
 
-def _positive(**values: float) -> None:
-    for name, value in values.items():
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-            raise ValueError(f"{name} must be a positive number, got {value!r}")
-
-
 def training_state_bytes(num_params: float, *, zero_stage: int = 0, dp: int = 1, param_bytes: int = 2,
                          grad_bytes: int = 2, optimizer_bytes: int = 12) -> dict[str, float]:
     """Bytes per device of weights, gradients and optimizer state for ``num_params`` parameters.
 
     ZeRO stage 0 replicates all three on each of the ``dp`` ranks; stage 1 shards the optimizer state,
-    stage 2 also the gradients, stage 3 also the weights (each sharded part divided by ``dp``).
-    Returns ``{"weights", "gradients", "optimizer", "total"}`` in bytes.
+    stage 2 also the gradients, stage 3 also the weights (each sharded part is ⌈Ψ/dp⌉ parameters).
+    This is Stage 5's :func:`~reference.zero.zero_memory_accounting` — the one ZeRO formula of the kit —
+    for ⌈num_params⌉ parameters, under this module's keys. Returns ``{"weights", "gradients",
+    "optimizer", "total"}`` in bytes.
     """
-    _positive(num_params=num_params, dp=dp)
-    if zero_stage not in (0, 1, 2, 3):
-        raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}")
-    raise NotImplementedError("training_state_bytes: divide the optimizer state (stage ≥ 1), gradients (≥ 2) and weights (3) by dp (handout 06 §6.1)")
+    positive_number("num_params", num_params)
+    positive_int("dp", dp)
+    choice("zero_stage", zero_stage, ZERO_STAGES)
+    raise NotImplementedError("training_state_bytes: Stage 5's zero_memory_accounting, its fields under this module's keys (handout 06 §6.1)")
 
 
 def devices_needed(num_params: float, device_bytes: float, *, zero_stage: int, model_parallel: int = 1) -> int | None:
@@ -112,10 +111,8 @@ def comm_volume_per_step(cfg: Train4DConfig, stage: int) -> dict[tuple[str, str]
     * ``dp_ep``: the dense gradients all-reduced once per step, plus the reported loss (one float);
       ``dp``: the expert gradients.
     """
-    if not isinstance(cfg, Train4DConfig):
-        raise TypeError(f"cfg must be a Train4DConfig, got {type(cfg).__name__}")
-    if not isinstance(stage, int) or not 0 <= stage < cfg.pp:
-        raise ValueError(f"stage must be an int in [0, pp={cfg.pp}), got {stage!r}")
+    instance("cfg", cfg, Train4DConfig, "a Train4DConfig")
+    index("stage", stage, cfg.pp)  # a pipeline stage
     fp32 = 4
     b, t, d, m = cfg.micro_batch_size, cfg.seq_len, cfg.model.d_model, cfg.grad_accum_steps
     start, end = split_layers(cfg.model.num_layers, cfg.pp)[stage]
@@ -123,14 +120,6 @@ def comm_volume_per_step(cfg: Train4DConfig, stage: int) -> dict[tuple[str, str]
     activation = b * t * d * fp32
     volume: dict[tuple[str, str], int] = {}
     raise NotImplementedError("comm_volume_per_step: add up each axis's collectives as the docstring lists them (handout 06 §6.3)")
-
-
-def by_collective(volume: dict[tuple[str, str], int]) -> dict[str, int]:
-    """Sum a :func:`comm_volume_per_step` result over axes: ``{collective: bytes}`` (non-zero entries)."""
-    out: dict[str, int] = {}
-    for (_, collective), nbytes in volume.items():
-        out[collective] = out.get(collective, 0) + nbytes
-    return {k: v for k, v in out.items() if v}
 
 
 def fsdp_tp_compute_bound(*, peak_flops: float, fsdp_bandwidth: float, tp_bandwidth: float, d_ff: int, fsdp: int
@@ -150,3 +139,20 @@ def fsdp_tp_compute_bound(*, peak_flops: float, fsdp_bandwidth: float, tp_bandwi
     """
     _positive(peak_flops=peak_flops, fsdp_bandwidth=fsdp_bandwidth, tp_bandwidth=tp_bandwidth, d_ff=d_ff, fsdp=fsdp)
     raise NotImplementedError("fsdp_tp_compute_bound: compare compute time with each axis's communication time (handout 06 §6.4)")
+
+
+# ------------------------------------------------------------------------------------------------------
+# Given helpers: used by the code above and by the tests; read them, no need to change them.
+
+
+def _positive(**values: float) -> None:
+    for name, value in values.items():
+        positive_number(name, value)
+
+
+def by_collective(volume: dict[tuple[str, str], int]) -> dict[str, int]:
+    """Sum a :func:`comm_volume_per_step` result over axes: ``{collective: bytes}`` (non-zero entries)."""
+    out: dict[str, int] = {}
+    for (_, collective), nbytes in volume.items():
+        out[collective] = out.get(collective, 0) + nbytes
+    return {k: v for k, v in out.items() if v}

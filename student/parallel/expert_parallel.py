@@ -28,6 +28,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from kit.validate import instance, positive_int, positive_number
+
 
 def expert_capacity(num_tokens: int, num_experts: int, top_k: int, capacity_factor: float | None) -> int:
     """Slots per expert: ``ceil(capacity_factor · num_tokens · top_k / num_experts)``, at least 1.
@@ -35,12 +37,10 @@ def expert_capacity(num_tokens: int, num_experts: int, top_k: int, capacity_fact
     ``capacity_factor=None`` means no dropping: ``num_tokens`` slots (a token picks an expert at most once).
     """
     for name, value in (("num_tokens", num_tokens), ("num_experts", num_experts), ("top_k", top_k)):
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
+        positive_int(name, value)
     if capacity_factor is None:
         return num_tokens
-    if capacity_factor <= 0:
-        raise ValueError(f"capacity_factor must be > 0 or None, got {capacity_factor!r}")
+    positive_number("capacity_factor", capacity_factor)
     return max(1, math.ceil(capacity_factor * num_tokens * top_k / num_experts))
 
 
@@ -67,25 +67,6 @@ def all_to_all(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch
     return _AllToAll.apply(x, group)
 
 
-class _AuxLossGrad(torch.autograd.Function):
-    """Returns ``x`` unchanged; in the backward also sends ``scale`` as the gradient of ``aux``.
-
-    This injects ``scale · ∂aux/∂θ`` into the backward pass without the auxiliary loss having to travel
-    to the pipeline's last stage (Megatron's ``MoEAuxLossAutoScaler``).
-    """
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:
-        ctx.scale = scale
-        ctx.aux_meta = (aux.shape, aux.dtype)
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
-        shape, dtype = ctx.aux_meta
-        return grad, torch.full(shape, ctx.scale, dtype=dtype, device=grad.device), None
-
-
 class MoEFeedForward(nn.Module):
     """Top-k mixture of SwiGLU experts with a capacity limit; drop-in for a kit ``Block.ffn``.
 
@@ -103,12 +84,11 @@ class MoEFeedForward(nn.Module):
                  capacity_factor: float | None = 1.25):
         super().__init__()
         for name, value in (("d_model", d_model), ("d_ff", d_ff), ("num_experts", num_experts), ("top_k", top_k)):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+            positive_int(name, value)
         if top_k > num_experts:
             raise ValueError(f"top_k ({top_k}) must be ≤ num_experts ({num_experts})")
-        if capacity_factor is not None and capacity_factor <= 0:
-            raise ValueError(f"capacity_factor must be > 0 or None, got {capacity_factor!r}")
+        if capacity_factor is not None:
+            positive_number("capacity_factor", capacity_factor)
         self.d_model, self.d_ff = d_model, d_ff
         self.num_experts, self.top_k, self.capacity_factor = num_experts, top_k, capacity_factor
         self.router = nn.Linear(d_model, num_experts, bias=False)
@@ -142,9 +122,6 @@ class MoEFeedForward(nn.Module):
         n, e, k = x.shape[0], self.num_experts, self.top_k
         capacity = expert_capacity(n, e, k, self.capacity_factor)
         raise NotImplementedError("MoEFeedForward.forward: route, dispatch (E, C, d), experts (all-to-all if ep>1), combine, aux (handout 06 §4)")
-        if self.aux_grad_scale and torch.is_grad_enabled():
-            y = _AuxLossGrad.apply(y, self.aux_loss, self.aux_grad_scale)
-        return y.view(shape)
 
 
 def parallelize_moe(moe: MoEFeedForward, ep_group: dist.ProcessGroup | None) -> MoEFeedForward:
@@ -156,9 +133,34 @@ def parallelize_moe(moe: MoEFeedForward, ep_group: dist.ProcessGroup | None) -> 
     Raises:
         ValueError: ``num_experts`` is not divisible by the ep size.
     """
-    if not isinstance(moe, MoEFeedForward):
-        raise TypeError(f"moe must be a MoEFeedForward, got {type(moe).__name__}")
+    instance("moe", moe, MoEFeedForward, "a MoEFeedForward")
     group = ep_group.get_group() if hasattr(ep_group, "get_group") else ep_group
     if group is not None and not isinstance(group, dist.ProcessGroup):
         raise TypeError(f"ep_group must be a ProcessGroup, a 1-D DeviceMesh or None, got {type(ep_group).__name__}")
-    raise NotImplementedError("parallelize_moe: ValueError unless E divides by ep; keep this rank's slice of w1, w2, w3 (handout 06 §4.2)")
+    ep, rank = dist.get_world_size(group), dist.get_rank(group)
+    if moe.num_experts % ep:
+        raise ValueError(f"parallelize_moe: {moe.num_experts} experts are not divisible by the ep size {ep}")
+    raise NotImplementedError("parallelize_moe: keep this rank's slice of w1, w2, w3 as new parameters; record the ep group (handout 06 §4.2)")
+
+
+# ------------------------------------------------------------------------------------------------------
+# Given: the auxiliary-loss gradient injector (MoEFeedForward.forward applies it when aux_grad_scale > 0).
+
+
+class _AuxLossGrad(torch.autograd.Function):
+    """Returns ``x`` unchanged; in the backward also sends ``scale`` as the gradient of ``aux``.
+
+    This injects ``scale · ∂aux/∂θ`` into the backward pass without the auxiliary loss having to travel
+    to the pipeline's last stage (Megatron's ``MoEAuxLossAutoScaler``).
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        ctx.aux_meta = (aux.shape, aux.dtype)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        shape, dtype = ctx.aux_meta
+        return grad, torch.full(shape, ctx.scale, dtype=dtype, device=grad.device), None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -66,7 +67,20 @@ def test_every_reference_module_has_solution_blocks():
 
 @pytest.fixture(scope="module")
 def built_release(tmp_path_factory) -> Path:
-    return release.build_release(tmp_path_factory.mktemp("rel") / "student-release")
+    """The student release, with the kit's virtualenv linked in as ``make setup`` would have made it."""
+    out = release.build_release(tmp_path_factory.mktemp("rel") / "student-release")
+    (out / ".venv").symlink_to(ROOT / ".venv")
+    # The copies are older than the venv's setup stamp, so `make` does not re-run the installer.
+    for name in ("pyproject.toml", "constraints-cpu.txt"):
+        os.utime(out / name, (946684800, 946684800))
+    return out
+
+
+def _student_env(release_root: Path) -> dict[str, str]:
+    """A student's shell in the release: the virtualenv activated, no instructor settings."""
+    env = {k: v for k, v in os.environ.items() if k not in ("LLMSYS_IMPL", "PYTHONPATH", "VIRTUAL_ENV")}
+    env["PATH"] = f"{release_root / '.venv' / 'bin'}{os.pathsep}{env.get('PATH', '')}"
+    return env
 
 
 def _code_lines(text: str) -> list[str]:
@@ -107,12 +121,70 @@ def test_release_contains_no_solution_text(built_release: Path):
 
 
 def test_release_test_command_grades_the_stubs_as_zero(built_release: Path):
-    (built_release / ".venv").symlink_to(ROOT / ".venv")
-    env = {k: v for k, v in os.environ.items() if k != "LLMSYS_IMPL"}
-    proc = subprocess.run(["make", "test", "STAGE=1"], cwd=built_release, env=env, capture_output=True, text=True,
-                          timeout=600)
+    proc = subprocess.run(["make", "test", "STAGE=1"], cwd=built_release, env=_student_env(built_release),
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"`make test` failed in the release:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     results = json.loads((built_release / "grading-output" / "results.json").read_text())
     assert results["max_score"] > 0 and results["score"] == 0, proc.stdout[-3000:]
     assert "| Total |" in proc.stdout, "the score table is missing"
     assert "implement time_fn" in proc.stdout, "the score table should say what to implement first"
+
+
+def test_release_help_lists_student_targets_only(built_release: Path):
+    proc = subprocess.run(["make", "help"], cwd=built_release, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    targets = {line.split()[1] for line in proc.stdout.splitlines() if line.strip().startswith("make ")}
+    assert {"grade", "test", "setup", "lint", "doctor"} <= targets, proc.stdout
+    instructor = {"student", "check-student", "release", "autograder", "soak", "test-reference", "test-kit"}
+    assert not targets & instructor, f"`make help` in the release lists instructor targets: {targets & instructor}"
+    assert "everything CI checks" not in proc.stdout and "grade student/" in proc.stdout
+
+
+# ------------------------------------------------------------------------------ the documented commands, literally
+
+# Commands a student is told to type: the README's "Student workflow" and each chapter's test commands.
+DOC_COMMAND = re.compile(r"^(?:\.venv/bin/)?pytest\b|^python -m pytest\b|^make (?:grade|test)\b")
+
+
+def _documented_commands() -> list[tuple[str, str]]:
+    """``(where, command)`` for every test command in a bash block of the README's student workflow or of a
+    handout chapter, as written (a trailing ``# or: <command>`` offers a second one)."""
+    readme = (ROOT / "README.md").read_text()
+    workflow = readme.split("## Student workflow", 1)[1].split("\n## ", 1)[0]
+    sources = [("README.md (Student workflow)", workflow)]
+    sources += [(f"handout/{p.name}", p.read_text()) for p in sorted((ROOT / "handout").glob("*.md"))]
+    commands: list[tuple[str, str]] = []
+    seen: set[str] = set()
+    for where, text in sources:
+        for block in re.findall(r"```(?:bash|sh|console)?\n(.*?)```", text, re.S):
+            for line in block.splitlines():
+                command, _, comment = line.strip().partition("#")
+                alternative = comment.strip().removeprefix("or:").strip() if comment.strip().startswith("or:") else ""
+                for c in (command.strip(), alternative):
+                    # `pytest …` in an activated virtualenv is `.venv/bin/pytest …`: run each command once.
+                    if DOC_COMMAND.match(c) and c.removeprefix(".venv/bin/") not in seen:
+                        seen.add(c.removeprefix(".venv/bin/"))
+                        commands.append((where, c))
+    return commands
+
+
+def test_documented_commands_are_found():
+    commands = [c for _, c in _documented_commands()]
+    assert ".venv/bin/pytest -m stage1" in commands and "make grade STAGE=1" in commands, commands
+    assert any(c.startswith("pytest -m stage3") for c in commands), commands
+
+
+@pytest.mark.parametrize("where, command", _documented_commands(), ids=lambda x: x)
+def test_documented_command_runs_as_written_in_the_release(built_release: Path, where: str, command: str):
+    """Typed in the release (virtualenv active), each documented command runs the stage's tests: they fail
+    on the stubs with the stubs' NotImplementedError, never with a usage or import error."""
+    proc = subprocess.run(command, shell=True, cwd=built_release, env=_student_env(built_release),
+                          capture_output=True, text=True, timeout=900)
+    out = proc.stdout + proc.stderr
+    where_and_what = f"`{command}` from {where} (exit {proc.returncode}):\n{out[-3000:]}"
+    assert "Error importing plugin" not in out and "No module named" not in out, where_and_what
+    if command.startswith("make"):
+        assert proc.returncode == 0 and "| Total |" in out and "implement " in out, where_and_what
+    else:
+        assert proc.returncode == 1, where_and_what  # 1: tests ran and failed; 2–5: interrupted, usage, no tests
+        assert "NotImplementedError" in out and re.search(r"\d+ failed", out), where_and_what
