@@ -24,7 +24,7 @@ def _limits(args: argparse.Namespace):
     from kit.grading.running import Limits
 
     return Limits(timeout=args.timeout, per_test_timeout=args.per_test_timeout, import_timeout=args.import_timeout,
-                  memory_gb=args.memory_gb or None)
+                  timing_factor=args.timing_factor, timing_floor=args.timing_floor, memory_gb=args.memory_gb or None)
 
 
 def _grade_batch(args: argparse.Namespace, **kwargs) -> int:
@@ -54,7 +54,7 @@ def _record_timings(result) -> None:
     failed = [t.nodeid for t in result.tests if t.status != "passed"]
     if result.status != "ok" or failed:
         raise SystemExit(f"--record-timings needs a complete run with every test passing; failed: {failed[:5]}")
-    command = "python -m kit grade " + " ".join(sys.argv[1:])
+    command = "python -m kit " + " ".join(sys.argv[1:])
     for path in timings.record({t.nodeid: t.durations for t in result.tests}, ROOT, command):
         print(f"wrote {path.relative_to(ROOT)}")
 
@@ -158,11 +158,16 @@ def cmd_nsys_summary(args: argparse.Namespace) -> int:
 
 
 def _limit_options(p: argparse.ArgumentParser) -> None:
+    from kit.grading import timings
+
     p.add_argument("--timeout", type=float, default=1800.0, help="wall-clock seconds per submission")
     p.add_argument("--per-test-timeout", type=float, default=300.0,
                    help="most seconds per test, and the limit of tests with no recorded reference time")
     p.add_argument("--import-timeout", type=float, default=30.0,
                    help="seconds each stage's modules may take to import before that stage fails")
+    p.add_argument("--timing-factor", type=float, default=timings.FACTOR,
+                   help="a test with a recorded reference time may take this many times it…")
+    p.add_argument("--timing-floor", type=float, default=timings.FLOOR, help="…but at least this many seconds")
     p.add_argument("--memory-gb", type=float, default=8.0, help="address-space limit per process (CPU; 0: none)")
 
 

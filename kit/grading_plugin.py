@@ -37,18 +37,14 @@ import hmac
 import importlib
 import json
 import os
-import pkgutil
-import signal
 import sys
 import threading
 import time
-import traceback
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
-from kit.grading import timings
+from kit.grading import deadlines, timings
 
 KEY_ENV = "KIT_GRADING_KEY"
 FRAME_ATTRIBUTES = frozenset({"f_back", "f_locals", "f_globals", "tb_frame", "gi_frame", "cr_frame", "ag_frame"})
@@ -76,7 +72,7 @@ class _State:
     sign = staticmethod(signer(b""))
     seq = 0
     limits: timings.Limits | None = None
-    remaining = 0.0  # seconds left of the current test's run budget after its setup
+    alarm = deadlines.Alarm()
     import_timeout = 0.0
     import_failures: dict[int, str] = {}
     originals: dict = {}
@@ -216,80 +212,14 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     tests = [info for item in session.items if (info := graded_info(item)) is not None]
     _write({"event": "collected", "tests": tests, "time": time.time()})
     if _State.import_timeout > 0 and _State.log is not None:
-        _check_imports(sorted({t["stage"] for t in tests}))
+        from kit.impl import selected
+
+        deadlines.check_imports(selected(), sorted({t["stage"] for t in tests}), _State.import_timeout,
+                                _State.import_failures, _write)
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     _write({"event": "finished", "exitstatus": int(exitstatus), "time": time.time()})
-
-
-class TestTimeout(Exception):
-    """The test (or an import) ran past its time limit."""
-
-
-@contextmanager
-def _time_limit(seconds: float, what: str):
-    """Raise :class:`TestTimeout` in this thread after ``seconds``; leaves the unused time in ``_State.remaining``."""
-    if seconds <= 0 or not hasattr(signal, "SIGALRM"):
-        yield
-        return
-
-    def on_alarm(signum, frame):
-        raise TestTimeout(f"{what} ran past its time limit of {round(seconds, 1):g} s (an endless loop or a hang?)")
-
-    previous = signal.signal(signal.SIGALRM, on_alarm)  # set again each time: student code may have replaced it
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        _State.remaining = signal.setitimer(signal.ITIMER_REAL, 0)[0]
-        signal.signal(signal.SIGALRM, previous)
-
-
-def _import_within(name: str, stage: int) -> str | None:
-    """Import module ``name`` under the import time limit; ``None`` if it imports, else why not."""
-    _write({"event": "import", "stage": stage, "module": name, "limit": _State.import_timeout})
-    why = None
-    try:
-        with _time_limit(_State.import_timeout, f"importing {name}"):
-            importlib.import_module(name)
-    except TestTimeout:
-        why = (f"importing {name} took longer than {round(_State.import_timeout, 1):g} s — an endless loop or a "
-               "blocking call at import time? A module must import in seconds: keep the work inside functions.")
-    except BaseException as exc:  # SyntaxError, SystemExit, anything raised at module level
-        report = traceback.TracebackException.from_exception(exc)
-        # Only the submission's own frames: the import machinery and this plugin say nothing to a student.
-        report.stack = traceback.StackSummary.from_list(
-            [f for f in report.stack if "importlib" not in f.filename and f.filename != __file__])
-        why = f"{name} failed to import:\n" + "".join(report.format())[-4000:]
-    _write({"event": "imported", "stage": stage, "module": name,
-            "outcome": "failed" if why else "passed", "message": why or ""})
-    return why
-
-
-def _check_imports(stages: list[int]) -> None:
-    """Import each graded stage's implementation modules once, recording the stages that do not import."""
-    from kit import stages as registry
-    from kit.impl import selected
-
-    package = selected()
-    todo = [s for s in stages if s not in _State.import_failures]
-    # The package first: a hang in its __init__ would otherwise cost every stage the import limit.
-    why = _import_within(package, 0) if todo else None
-    for stage in todo:
-        if why is not None:
-            _State.import_failures[stage] = why
-            continue
-        for module in registry.get(stage).modules:
-            name = f"{package}.{module}"
-            failure = _import_within(name, stage)
-            if failure is None and hasattr(sys.modules[name], "__path__"):  # a package: its modules too
-                for sub in pkgutil.iter_modules(sys.modules[name].__path__):
-                    if (failure := _import_within(f"{name}.{sub.name}", stage)) is not None:
-                        break
-            if failure is not None:
-                _State.import_failures[stage] = failure
-                break
 
 
 def _stage_of(item: pytest.Item) -> int:
@@ -304,20 +234,20 @@ def pytest_runtest_setup(item: pytest.Item):
     if why is not None:
         stage = _stage_of(item)
         pytest.fail(f"Stage {stage}'s code did not import, so none of its tests can run:\n{why}", pytrace=False)
-    with _time_limit(budget.run if budget else 0.0, "the test (setup and call)"):
+    with _State.alarm.limit(budget.run if budget else 0.0, "the test (setup and call)"):
         return (yield)
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item: pytest.Item):
     # What setup left of the run budget (at least a moment, so a limit is always armed when one is set).
-    with _time_limit(max(_State.remaining, 0.01) if _State.limits else 0.0, "the test (setup and call)"):
+    with _State.alarm.limit(max(_State.alarm.remaining, 0.01) if _State.limits else 0.0, "the test (setup and call)"):
         return (yield)
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_teardown(item: pytest.Item, nextitem):
-    with _time_limit(_State.limits.budget(item.nodeid).teardown if _State.limits else 0.0, "the test's teardown"):
+    with _State.alarm.limit(_State.limits.budget(item.nodeid).teardown if _State.limits else 0.0, "the teardown"):
         return (yield)
 
 
