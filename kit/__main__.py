@@ -11,13 +11,13 @@ import sys
 from pathlib import Path
 
 
-def _stages(text: str | None) -> list[int] | None:
+def _stages(text: str | None, option: str = "--stage") -> list[int] | None:
     from kit.stages import parse_stage_list
 
     try:
         return parse_stage_list(text)
     except ValueError as exc:
-        raise SystemExit(f"--stage: {exc}") from None
+        raise SystemExit(f"{option}: {exc}") from None
 
 
 def _limits(args: argparse.Namespace):
@@ -103,7 +103,7 @@ def cmd_stages(args: argparse.Namespace) -> int:
     from kit import stages
 
     if args.marker_expression is not None:
-        print(stages.marker_expression(_stages(args.marker_expression)))
+        print(stages.marker_expression(_stages(args.marker_expression, "--marker-expression")))
         return 0
     for s in stages.STAGES:
         print(f"{s.number}  {s.title:<28} modules: {', '.join(s.modules):<22} handout: {', '.join(s.chapters)}")

@@ -4,6 +4,8 @@ It appends one JSON line per event to the log, flushed at once, so the grader st
 if the interpreter dies halfway:
 
 * ``{"event": "collected", "tests": [...]}`` — every graded test with its points, stage and visibility;
+* ``{"event": "import" | "imported", "stage", "module", …}`` — the import checks (below);
+* ``{"event": "start", "nodeid", "limit"}`` — a test begins and may take ``limit`` seconds in all;
 * ``{"event": "report", "nodeid", "when", "outcome", "longrepr", "duration"}`` — each phase's result;
 * ``{"event": "flag", "nodeid", "what"}`` — something a submission did that grading does not allow;
 * ``{"event": "finished"}`` — the session ended normally (a run that calls ``os._exit(0)`` never writes it).
@@ -20,10 +22,11 @@ limits; see docs in README "Instructor workflow" for what the container must be 
   under ``student/`` — the way a submission would read a test's expected values;
 * after every test, the functions grading depends on (pytest's reporting, ``torch.testing.assert_close``,
   ``kit.testing``) are compared with the originals; a replaced one fails that test, is flagged and restored;
-* a per-test time limit raises inside the test, so an endless loop costs one test: each test's budget comes
-  from its recorded reference time (:mod:`kit.grading.timings`; ``--per-test-timeout`` is the cap and
-  the limit of tests with no recorded time) and covers setup and call together — module-scoped fixtures
-  charge their spawn to the first test's setup — and, separately, teardown;
+* a per-test time limit raises inside the test (:mod:`kit.grading.deadlines`), so an endless loop costs
+  one test: each test's budget comes from its recorded reference time (:mod:`kit.grading.timings`;
+  ``--per-test-timeout`` is the cap and the limit of tests with no recorded time) and covers setup and
+  call together — module-scoped fixtures charge their spawn to the first test's setup — and, separately,
+  teardown;
 * before any test runs, each stage's implementation modules are imported once under ``--import-timeout``;
   a module that hangs or fails at import fails its stage's tests at once, with the reason, and the other
   stages are graded as usual. ``--failed-imports FILE`` (JSON, stage → reason) carries such failures into

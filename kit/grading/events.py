@@ -99,8 +99,8 @@ class RunRecord:
             self.activity = None
             if event["outcome"] != "passed":
                 self.import_failures.setdefault(event["stage"], event["message"])
-        elif kind == "start":
-            self.activity = Activity("test", event["nodeid"], 0, event["limit"])
+        elif kind == "start":  # limit 0: the test has no time limit
+            self.activity = Activity("test", event["nodeid"], 0, event["limit"] or float("inf"))
         elif kind == "report":
             self.reports.setdefault(event["nodeid"], {})[event["when"]] = event
             if event["when"] == "teardown":
