@@ -15,8 +15,13 @@ ROOT = Path(__file__).resolve().parents[2]
 HANG = "    while True:\n        pass\n"
 
 
-def _results(path: Path) -> dict[str, dict]:
-    return {t["name"]: t for t in json.loads(path.read_text())["tests"]}
+def _grade(kit: Path, sub: Path, *options: str) -> tuple[dict[str, dict], float]:
+    """Grade ``sub`` with the toy kit's CLI: results.json's tests by name, and the seconds it took."""
+    start = time.monotonic()
+    proc = toy_kit.run(kit, "grade", "--impl", str(sub), *options, "--json", str(sub / "results.json"))
+    elapsed = time.monotonic() - start
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return {t["name"]: t for t in json.loads((sub / "results.json").read_text())["tests"]}, elapsed
 
 
 def test_a_module_that_hangs_at_import_fails_its_stage_at_once_and_the_others_are_graded(tmp_path):
@@ -25,12 +30,7 @@ def test_a_module_that_hangs_at_import_fails_its_stage_at_once_and_the_others_ar
                                        "from __future__ import annotations\nwhile True:\n    pass\n")
     sub = toy_kit.submission(tmp_path, "sub", hang, "toy")
     (sub / "student" / "toy8.py").write_text(toy_kit.solution(8))
-    start = time.monotonic()
-    proc = toy_kit.run(kit, "grade", "--impl", str(sub), "--stage", "7,8", "--import-timeout", "3",
-                       "--json", str(tmp_path / "results.json"))
-    elapsed = time.monotonic() - start
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    tests = _results(tmp_path / "results.json")
+    tests, elapsed = _grade(kit, sub, "--stage", "7,8", "--import-timeout", "3")
     stage7 = [t for name, t in tests.items() if name.startswith("Stage 7")]
     stage8 = [t for name, t in tests.items() if name.startswith("Stage 8")]
     assert len(stage7) == len(stage8) == 3
@@ -50,12 +50,7 @@ def test_each_test_is_limited_by_its_recorded_reference_time_setup_included(tmp_
     # double() never returns; prepare() hangs in the module-scoped fixture, i.e. in test_prepare's setup.
     source = toy_kit.solution().replace("    return 2 * x\n", HANG).replace('    return "ready"\n', HANG)
     sub = toy_kit.submission(tmp_path, "sub", source)
-    start = time.monotonic()
-    proc = toy_kit.run(kit, "grade", "--impl", str(sub), "--stage", "7", "--timing-floor", "2",
-                       "--json", str(tmp_path / "results.json"))
-    elapsed = time.monotonic() - start
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    tests = _results(tmp_path / "results.json")
+    tests, elapsed = _grade(kit, sub, "--stage", "7", "--timing-floor", "2")
     assert tests["Stage 7 · P7.1 · test_add"]["status"] == "passed"
     for name, phase in (("P7.1 · test_double", "call failed"), ("P7.2 · test_prepare", "setup failed")):
         t = tests[f"Stage 7 · {name}"]
