@@ -25,7 +25,7 @@ from pathlib import Path
 
 from kit import stages as registry
 from kit.grading import processes, scoring, timings
-from kit.grading.events import RunRecord, SignedLog
+from kit.grading.events import Activity, RunRecord, SignedLog
 from kit.grading.staging import ROOT, stage_submission
 
 SECRET_HINTS = ("TOKEN", "SECRET", "PASSWORD", "PASSWD", "CREDENTIAL", "API_KEY", "PRIVATE_KEY", "AWS_", "GITHUB_")
@@ -170,31 +170,41 @@ class SuiteRun:
             return []
         activity = record.activity
         if activity is not None and activity.kind == "import":
-            why = (f"importing {activity.what} did not stop at its time limit of {activity.limit:g} s and was killed"
-                   if outcome == "hung" else f"the test process exited (code {code}) while importing {activity.what}")
-            for stage in [activity.stage] if activity.stage else {t["stage"] for t in record.collected}:
-                record.import_failures.setdefault(stage, why)
-            self.notes.append(why)
-            self.status = self.status if outcome == "hung" else "crashed"
-        else:
-            unreported = record.unreported()
-            culprit = activity.what if activity is not None else next(
-                (n for n in unreported if n in record.reports), unreported[0] if unreported else None)
-            if culprit is None:
-                return []
-            name = culprit.split("::")[-1]
-            if outcome == "hung":
-                record.fail(culprit, f"the test did not stop at its time limit of {activity.limit:g} s and was killed; "
-                                     "the remaining tests were run again in a fresh process")
-                self.notes.append(f"{name} did not stop at its time limit and was killed")
-            else:
-                record.fail(culprit, f"the test process exited during this test (exit code {code}): os._exit, "
-                                     "a crash, or the memory limit. The remaining tests were run again in a fresh "
-                                     "process.")
-                self.notes.append(f"the test process died during {name} (exit code {code})")
-                self.status = "crashed"
+            self._import_failed(activity, outcome, code)
+        elif not self._test_failed(activity, outcome, code):
+            return []
         record.activity = None
         return record.unreported()
+
+    def _import_failed(self, activity: Activity, outcome: str, code: int | None) -> None:
+        """The child hung or died importing a stage's module: that stage fails (stage 0: the package, all fail)."""
+        why = (f"importing {activity.what} did not stop at its time limit of {activity.limit:g} s and was killed"
+               if outcome == "hung" else f"the test process exited (code {code}) while importing {activity.what}")
+        for stage in [activity.stage] if activity.stage else {t["stage"] for t in self.record.collected}:
+            self.record.import_failures.setdefault(stage, why)
+        self.notes.append(why)
+        if outcome != "hung":
+            self.status = "crashed"
+
+    def _test_failed(self, activity: Activity | None, outcome: str, code: int | None) -> bool:
+        """The child hung or died in a test: that test fails. False if no test was running (nothing to resume)."""
+        unreported = self.record.unreported()
+        culprit = activity.what if activity is not None else next(
+            (n for n in unreported if n in self.record.reports), unreported[0] if unreported else None)
+        if culprit is None:
+            return False
+        name = culprit.split("::")[-1]
+        if outcome == "hung":
+            self.record.fail(culprit, f"the test did not stop at its time limit of {activity.limit:g} s and was "
+                                      "killed; the remaining tests were run again in a fresh process")
+            self.notes.append(f"{name} did not stop at its time limit and was killed")
+        else:
+            self.record.fail(culprit, f"the test process exited during this test (exit code {code}): os._exit, "
+                                      "a crash, or the memory limit. The remaining tests were run again in a fresh "
+                                      "process.")
+            self.notes.append(f"the test process died during {name} (exit code {code})")
+            self.status = "crashed"
+        return True
 
     def result(self, submission: str, output: str, elapsed: float) -> scoring.GradeResult:
         result = scoring.GradeResult(submission=submission, output=output, execution_time=elapsed)
