@@ -129,3 +129,14 @@ def test_whole_submission_timeout_keeps_what_passed(tmp_path: Path):
 def test_unknown_impl_path_is_a_clear_error():
     with pytest.raises(FileNotFoundError, match="--impl must be"):
         running.grade("/no/such/folder")
+
+
+def test_one_cuda_detection_without_torch(monkeypatch):
+    """kit/__init__ (Triton interpreter or not) and the sandbox (address-space limit or not) share it."""
+    import kit
+    from kit import sandbox
+
+    assert sandbox.cuda_present is kit.cuda_present
+    for hidden in ("", "-1"):
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", hidden)
+        assert not kit.cuda_present()
