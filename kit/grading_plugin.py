@@ -76,6 +76,7 @@ class _State:
     seq = 0
     limits: timings.Limits | None = None
     alarm = deadlines.Alarm()
+    files_started: set[str] = set()  # test files of which a test has begun in this process
     import_timeout = 0.0
     import_failures: dict[int, str] = {}
     originals: dict = {}
@@ -231,7 +232,10 @@ def _stage_of(item: pytest.Item) -> int:
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_setup(item: pytest.Item):
-    budget = _State.limits.budget(item.nodeid) if _State.limits else None
+    file = item.nodeid.split("::")[0]
+    first_in_file = file not in _State.files_started
+    _State.files_started.add(file)
+    budget = _State.limits.budget(item.nodeid, first_in_file=first_in_file) if _State.limits else None
     _write({"event": "start", "nodeid": item.nodeid, "limit": budget.total if budget else 0.0})
     why = _State.import_failures.get(_stage_of(item))
     if why is not None:

@@ -9,8 +9,10 @@ tests to ``tests/hidden/timings.json``, which never ships). A graded test then g
 
 seconds, where ``cap`` is ``--per-test-timeout`` (also the limit of tests with no recorded time). The
 largest setup in the file, not the test's own: module-scoped fixtures (one spawn of every rank for a
-whole file) charge their time to whichever test of the file runs first, and after a crash the resumed
-run starts in the middle of a file. The defaults, ``factor`` 6 and ``floor`` 20 s, leave room for a
+whole file) charge their time to whichever test of the file uses them first, and after a crash the
+resumed run starts in the middle of a file. For the same reason the first test a process runs from a
+file may also take the file's longest setup + call: shared work cached in a module variable is paid
+by whichever test gets there first. The defaults, ``factor`` 6 and ``floor`` 20 s, leave room for a
 2-core machine under load, where a test can be 3× slower than when its time was recorded, so a stuck
 test costs seconds to a minute instead of the cap.
 
@@ -60,20 +62,25 @@ class Limits:
                  floor: float = FLOOR):
         self.timings, self.cap, self.factor, self.floor = timings, cap, factor, floor
         self.file_setup: dict[str, float] = {}
+        self.file_run: dict[str, float] = {}  # longest setup + call
         self.file_teardown: dict[str, float] = {}
-        for nodeid, (setup, _, teardown) in timings.items():
+        for nodeid, (setup, call, teardown) in timings.items():
             f = nodeid.split("::")[0]
             self.file_setup[f] = max(self.file_setup.get(f, 0.0), setup)
+            self.file_run[f] = max(self.file_run.get(f, 0.0), setup + call)
             self.file_teardown[f] = max(self.file_teardown.get(f, 0.0), teardown)
 
     def _limit(self, seconds: float) -> float:
         return min(self.cap, max(self.floor, self.factor * seconds))
 
-    def budget(self, nodeid: str) -> Budget:
+    def budget(self, nodeid: str, *, first_in_file: bool = False) -> Budget:
+        """The test's budget; ``first_in_file``: no test of its file has run yet in this process."""
         if nodeid not in self.timings:
             return Budget(self.cap, self.cap)
         f = nodeid.split("::")[0]
-        return Budget(self._limit(self.file_setup[f] + self.timings[nodeid][1]), self._limit(self.file_teardown[f]))
+        run = self.file_setup[f] + self.timings[nodeid][1]
+        return Budget(self._limit(max(run, self.file_run[f]) if first_in_file else run),
+                      self._limit(self.file_teardown[f]))
 
 
 def _write(path: Path, tests: dict[str, list[float]], command: str) -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import toy_kit
 
-from kit.grading import reporting, running
+from kit.grading import reporting, running, timings
 
 ROOT = Path(__file__).resolve().parents[2]
 HANG = "    while True:\n        pass\n"
@@ -22,6 +22,17 @@ def _grade(kit: Path, sub: Path, *options: str) -> tuple[dict[str, dict], float]
     elapsed = time.monotonic() - start
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return {t["name"]: t for t in json.loads((sub / "results.json").read_text())["tests"]}, elapsed
+
+
+def test_limits_cover_shared_work_whichever_test_pays_for_it():
+    """A module fixture's spawn lands in one test's setup, a module-level cache in one test's call."""
+    recorded = {"t.py::fixture_first": [10.0, 1.0, 0.0], "t.py::cached": [0.0, 30.0, 0.0],
+                "t.py::quick": [0.0, 0.5, 2.0], "u.py::alone": [0.0, 0.1, 0.0]}
+    limits = timings.Limits(recorded, cap=300, factor=6, floor=20)
+    assert limits.budget("t.py::quick").run == 6 * (10 + 0.5), "any test of the file may set up its fixture"
+    assert limits.budget("t.py::quick", first_in_file=True).run == 6 * 30, "the first may fill the cache"
+    assert limits.budget("t.py::quick").teardown == 20 and limits.budget("u.py::alone").run == 20  # the floor
+    assert limits.budget("t.py::cached").run == 240 and limits.budget("new.py::x").run == 300  # capped / unknown
 
 
 def test_a_module_that_hangs_at_import_fails_its_stage_at_once_and_the_others_are_graded(tmp_path):
