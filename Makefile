@@ -13,7 +13,7 @@ HAVE_REFERENCE := $(wildcard reference/__init__.py)
 export PYTHONDONTWRITEBYTECODE := 1
 
 .PHONY: help setup grade test test-reference test-kit lint student check-student release autograder check-handout soak \
-        notebooks bench doctor clean
+        timings stages notebooks bench doctor clean
 
 # `##` describes a target for `make help`; `##@instructor` marks one that needs reference/ (hidden in the student
 # release), `##@student` one that only the student release has.
@@ -40,7 +40,7 @@ test: setup lint check-student test-reference ##@instructor everything CI checks
 endif
 
 test-reference: setup ##@instructor the whole suite (graded, kit, notebooks) against the reference
-	$(PY) -m pytest tests --impl reference $(if $(STAGE),-m stage$(STAGE))
+	$(PY) -m pytest tests --impl reference $(if $(STAGE),-m "$$($(PY) -m kit stages --marker-expression $(STAGE))")
 
 test-kit: setup ##@instructor only the kit's own tests (grader, release, spawn helper)
 	$(PY) -m pytest tests/kit --impl reference
@@ -62,11 +62,17 @@ autograder: setup ##@instructor build dist/autograder.zip for Gradescope (kit + 
 
 RUNS ?= 20
 soak: setup ##@instructor run the graded reference suite RUNS times in a row; stops at the first failure (flakiness check)
-	@for i in $$(seq $(RUNS)); do \
+	@markers="$$($(PY) -m kit stages --marker-expression $(STAGE))" || exit 1; \
+	for i in $$(seq $(RUNS)); do \
 	    echo "== run $$i of $(RUNS) ($$(date +%T))"; \
-	    $(PY) -m pytest tests --impl reference -q -p no:cacheprovider \
-	        -m "stage1 or stage2 or stage3 or stage4 or stage5 or stage6" || { echo "run $$i failed"; exit 1; }; \
+	    $(PY) -m pytest tests --impl reference -q -p no:cacheprovider -m "$$markers" || { echo "run $$i failed"; exit 1; }; \
 	done; echo "$(RUNS) consecutive green runs of the graded reference suite"
+
+timings: setup ##@instructor record each graded test's reference time in tests/timings.json (the grader's per-test limits)
+	$(PY) -m kit grade --impl reference --hidden --record-timings $(if $(STAGE),--stage $(STAGE))
+
+stages: setup ## list the stages (kit/stages.py): number, title, modules, handout chapters
+	@$(PY) -m kit stages
 
 check-handout: setup ## check that the handout, the tests and the points agree
 	$(PY) -m kit check-handout

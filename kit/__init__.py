@@ -8,18 +8,22 @@ from __future__ import annotations
 
 import os
 
+__all__ = ["cuda_present", "triton_interpreted"]
 
-def _cuda_present() -> bool:
-    # Cheap check that does not import torch: CUDA_VISIBLE_DEVICES="" or no driver means no GPU.
-    if os.environ.get("CUDA_VISIBLE_DEVICES", None) == "":
+
+def cuda_present() -> bool:
+    """Whether a CUDA device may be usable, without importing torch (this module must stay torch-free).
+
+    ``CUDA_VISIBLE_DEVICES`` set to ``""`` or ``-1`` hides every device; otherwise a driver device node
+    (``/dev/nvidia0``, ``/dev/nvidiactl``, or ``/dev/dxg`` under WSL) means a GPU is there.
+    """
+    if os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1"):
         return False
     return any(os.path.exists(p) for p in ("/dev/nvidia0", "/dev/nvidiactl", "/dev/dxg"))
 
 
-if "TRITON_INTERPRET" not in os.environ and not _cuda_present():
+if "TRITON_INTERPRET" not in os.environ and not cuda_present():
     os.environ["TRITON_INTERPRET"] = "1"
-
-__all__ = ["triton_interpreted"]
 
 
 def triton_interpreted() -> bool:

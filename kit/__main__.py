@@ -1,4 +1,4 @@
-"""Command line: ``python -m kit {grade,autograde,autograder,release,check-handout,doctor,nsys-summary}``.
+"""Command line: ``python -m kit {grade,autograde,autograder,release,check-handout,stages,doctor,nsys-summary}``.
 
 ``--help`` on each for details.
 """
@@ -11,32 +11,65 @@ import sys
 from pathlib import Path
 
 
-def _stages(text: str | None) -> list[int] | None:
-    if not text:
-        return None
-    stages = [int(s) for s in text.split(",")]
-    bad = [s for s in stages if not 1 <= s <= 6]
-    if bad:
-        raise SystemExit(f"--stage takes numbers 1–6 separated by commas, got {text!r}")
-    return stages
+def _stages(text: str | None, option: str = "--stage") -> list[int] | None:
+    from kit.stages import parse_stage_list
+
+    try:
+        return parse_stage_list(text)
+    except ValueError as exc:
+        raise SystemExit(f"{option}: {exc}") from None
+
+
+def _limits(args: argparse.Namespace):
+    from kit.grading.running import Limits
+
+    return Limits(timeout=args.timeout, per_test_timeout=args.per_test_timeout, import_timeout=args.import_timeout,
+                  timing_factor=args.timing_factor, timing_floor=args.timing_floor, memory_gb=args.memory_gb or None)
+
+
+def _grade_batch(args: argparse.Namespace, **kwargs) -> int:
+    from kit.grading import processes
+    from kit.grading.batch import grade_batch
+
+    out = Path(args.out or Path(args.batch) / "_grades")
+    only = args.only.split(",") if args.only else None
+    report = grade_batch(Path(args.batch), out, jobs=args.jobs, only=only, force=args.force, **kwargs)
+    for r in report.results:
+        print(f"{r.submission:<30} {r.score:>6g} / {r.max_score:<6g} {r.status} {r.message}")
+    if report.skipped:
+        print(f"skipped {len(report.skipped)} submission(s) already graded with their current files "
+              "(--force regrades them)")
+    print(f"\nwrote {out}/<submission>/results.json and {out / 'gradebook.csv'}")
+    if report.interrupted:
+        print("interrupted: the gradebook holds every submission finished so far; run the same command again "
+              "to grade the rest", file=sys.stderr)
+        return processes.interrupted_exit_code() or 1
+    return 0
+
+
+def _record_timings(result) -> None:
+    from kit.grading import timings
+    from kit.grading.staging import ROOT
+
+    failed = [t.nodeid for t in result.tests if t.status != "passed"]
+    if result.status != "ok" or failed:
+        raise SystemExit(f"--record-timings needs a complete run with every test passing; failed: {failed[:5]}")
+    command = "python -m kit " + " ".join(sys.argv[1:])
+    for path in timings.record({t.nodeid: t.durations for t in result.tests}, ROOT, command):
+        print(f"wrote {path.relative_to(ROOT)}")
 
 
 def cmd_grade(args: argparse.Namespace) -> int:
-    from kit import grader
+    from kit.grading import processes, reporting, running
 
-    limits = grader.Limits(timeout=args.timeout, per_test_timeout=args.per_test_timeout,
-                           memory_gb=args.memory_gb or None)
-    kwargs = dict(stages=_stages(args.stage), include_hidden=args.hidden, limits=limits)
+    processes.install_interrupt_handlers()
+    kwargs = dict(stages=_stages(args.stage), include_hidden=args.hidden, limits=_limits(args))
     if args.batch:
-        out = Path(args.out or Path(args.batch) / "_grades")
-        only = args.only.split(",") if args.only else None
-        results = grader.grade_batch(Path(args.batch), out, jobs=args.jobs, only=only, **kwargs)
-        for r in results:
-            print(f"{r.submission:<30} {r.score:>6g} / {r.max_score:<6g} {r.status} {r.message}")
-        print(f"\nwrote {out}/<submission>/results.json, {out / 'gradebook.csv'} and {out / 'gradebook.png'}")
-        return 0
+        return _grade_batch(args, **kwargs)
+    if args.record_timings and args.impl != "reference":
+        raise SystemExit("--record-timings records the reference's durations: use it with --impl reference")
     try:
-        result = grader.grade(args.impl, **kwargs)
+        result = running.grade(args.impl, **kwargs)
     except FileNotFoundError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -44,22 +77,36 @@ def cmd_grade(args: argparse.Namespace) -> int:
         print(result.output[-6000:], file=sys.stderr)
         print(f"error: could not grade {args.impl}: {result.message}", file=sys.stderr)
         return 2
-    print(grader.format_table(result))
+    print(reporting.format_table(result))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(grader.gradescope_json(result), indent=2))
+        Path(args.json).write_text(json.dumps(reporting.gradescope_json(result), indent=2))
         print(f"\nwrote {args.json}")
+    if result.status == "interrupted":
+        return processes.interrupted_exit_code() or 1
+    if args.record_timings:
+        _record_timings(result)
     return 0  # a score of 0 is a result, not an error
 
 
 def cmd_autograde(args: argparse.Namespace) -> int:
-    from kit import grader
     from kit.autograder import autograde
+    from kit.grading import processes
 
-    limits = grader.Limits(timeout=args.timeout, per_test_timeout=args.per_test_timeout,
-                           memory_gb=args.memory_gb or None)
-    data = autograde(Path(args.submission), Path(args.results), stages=_stages(args.stage), limits=limits)
+    processes.install_interrupt_handlers()
+    data = autograde(Path(args.submission), Path(args.results), stages=_stages(args.stage), limits=_limits(args))
     print(f"{data['score']:g} / {data.get('max_score', 0):g} points → {args.results}")
+    return processes.interrupted_exit_code() or 0
+
+
+def cmd_stages(args: argparse.Namespace) -> int:
+    from kit import stages
+
+    if args.marker_expression is not None:
+        print(stages.marker_expression(_stages(args.marker_expression, "--marker-expression")))
+        return 0
+    for s in stages.STAGES:
+        print(f"{s.number}  {s.title:<28} modules: {', '.join(s.modules):<22} handout: {', '.join(s.chapters)}")
     return 0
 
 
@@ -110,6 +157,20 @@ def cmd_nsys_summary(args: argparse.Namespace) -> int:
     return 0
 
 
+def _limit_options(p: argparse.ArgumentParser) -> None:
+    from kit.grading import timings
+
+    p.add_argument("--timeout", type=float, default=1800.0, help="wall-clock seconds per submission")
+    p.add_argument("--per-test-timeout", type=float, default=300.0,
+                   help="most seconds per test, and the limit of tests with no recorded reference time")
+    p.add_argument("--import-timeout", type=float, default=30.0,
+                   help="seconds each stage's modules may take to import before that stage fails")
+    p.add_argument("--timing-factor", type=float, default=timings.FACTOR,
+                   help="a test with a recorded reference time may take this many times it…")
+    p.add_argument("--timing-floor", type=float, default=timings.FLOOR, help="…but at least this many seconds")
+    p.add_argument("--memory-gb", type=float, default=8.0, help="address-space limit per process (CPU; 0: none)")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kit", description="LLM Systems Lab tools")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -121,11 +182,13 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--batch", help="grade every subfolder of this folder")
     g.add_argument("--out", help="with --batch: where results and gradebook.csv go (default BATCH/_grades)")
     g.add_argument("--hidden", action="store_true", help="include the instructor-only hidden tests")
-    g.add_argument("--timeout", type=float, default=1800.0, help="wall-clock seconds per submission")
-    g.add_argument("--per-test-timeout", type=float, default=300.0, help="seconds per test")
-    g.add_argument("--memory-gb", type=float, default=8.0, help="address-space limit per process (CPU; 0: none)")
+    _limit_options(g)
     g.add_argument("--jobs", type=int, default=1, help="with --batch: submissions graded in parallel")
     g.add_argument("--only", help="with --batch: regrade these submissions (comma-separated); other rows stay")
+    g.add_argument("--force", action="store_true",
+                   help="with --batch: regrade every submission (default: skip those already graded as they are)")
+    g.add_argument("--record-timings", action="store_true",
+                   help="with --impl reference: write each test's durations to tests/timings.json (make timings)")
     g.set_defaults(func=cmd_grade)
 
     r = sub.add_parser("release", help="regenerate student/ and build the student release")
@@ -141,9 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     a.add_argument("--submission", required=True, help="the uploaded submission folder")
     a.add_argument("--results", required=True, help="where results.json goes")
     a.add_argument("--stage", help="only these stages (for quick local checks)")
-    a.add_argument("--timeout", type=float, default=1800.0)
-    a.add_argument("--per-test-timeout", type=float, default=300.0)
-    a.add_argument("--memory-gb", type=float, default=8.0)
+    _limit_options(a)
     a.set_defaults(func=cmd_autograde)
 
     b = sub.add_parser("autograder", help="build dist/autograder.zip for Gradescope")
@@ -152,6 +213,11 @@ def main(argv: list[str] | None = None) -> int:
 
     c = sub.add_parser("check-handout", help="check that the handout, the tests and the points agree")
     c.set_defaults(func=cmd_check_handout)
+
+    st = sub.add_parser("stages", help="the stage registry (kit/stages.py): numbers, titles, modules, chapters")
+    st.add_argument("--marker-expression", nargs="?", const="", metavar="STAGES",
+                    help="print the pytest -m expression selecting these stages (default: all), e.g. 1,3")
+    st.set_defaults(func=cmd_stages)
 
     d = sub.add_parser("doctor", help="what this machine can run: versions, CUDA, Triton mode, nsys")
     d.set_defaults(func=cmd_doctor)

@@ -16,6 +16,10 @@ import json
 import os
 import zipfile
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kit.grading.running import Limits
 
 ROOT = Path(__file__).resolve().parent.parent
 BUNDLE_ITEMS = ("kit", "tests", "handout", "pyproject.toml", "constraints-cpu.txt")
@@ -67,14 +71,15 @@ def build_autograder(out: Path = ROOT / "dist" / "autograder.zip", root: Path = 
 
 
 def autograde(submission: Path, results: Path, *, stages: list[int] | None = None,
-              limits=None) -> dict:
+              limits: Limits | None = None) -> dict:
     """Grade one uploaded submission with the public and hidden tests; always write ``results``."""
-    from kit import grader
+    from kit.grading.reporting import gradescope_json
+    from kit.grading.running import grade
 
     results.parent.mkdir(parents=True, exist_ok=True)
     try:
-        result = grader.grade(str(submission), stages=stages, include_hidden=True, limits=limits)
-        data = grader.gradescope_json(result)
+        result = grade(str(submission), stages=stages, include_hidden=True, limits=limits)
+        data = gradescope_json(result)
         if result.status == "error":
             data["output"] = "The autograder could not run the tests on this submission. " + result.message
     except Exception as exc:  # the results file must exist even when grading itself failed

@@ -4,6 +4,8 @@ It appends one JSON line per event to the log, flushed at once, so the grader st
 if the interpreter dies halfway:
 
 * ``{"event": "collected", "tests": [...]}`` — every graded test with its points, stage and visibility;
+* ``{"event": "import" | "imported", "stage", "module", …}`` — the import checks (below);
+* ``{"event": "start", "nodeid", "limit"}`` — a test begins and may take ``limit`` seconds in all;
 * ``{"event": "report", "nodeid", "when", "outcome", "longrepr", "duration"}`` — each phase's result;
 * ``{"event": "flag", "nodeid", "what"}`` — something a submission did that grading does not allow;
 * ``{"event": "finished"}`` — the session ended normally (a run that calls ``os._exit(0)`` never writes it).
@@ -20,7 +22,15 @@ limits; see docs in README "Instructor workflow" for what the container must be 
   under ``student/`` — the way a submission would read a test's expected values;
 * after every test, the functions grading depends on (pytest's reporting, ``torch.testing.assert_close``,
   ``kit.testing``) are compared with the originals; a replaced one fails that test, is flagged and restored;
-* a per-test time limit (``--per-test-timeout``) raises inside the test, so an endless loop costs one test.
+* a per-test time limit raises inside the test (:mod:`kit.grading.deadlines`), so an endless loop costs
+  one test: each test's budget comes from its recorded reference time (:mod:`kit.grading.timings`;
+  ``--per-test-timeout`` is the cap and the limit of tests with no recorded time) and covers setup and
+  call together — module-scoped fixtures charge their spawn to the first test's setup — and, separately,
+  teardown;
+* before any test runs, each stage's implementation modules are imported once under ``--import-timeout``;
+  a module that hangs or fails at import fails its stage's tests at once, with the reason, and the other
+  stages are graded as usual. ``--failed-imports FILE`` (JSON, stage → reason) carries such failures into
+  a resumed run without importing those modules again.
 """
 
 from __future__ import annotations
@@ -30,13 +40,14 @@ import hmac
 import importlib
 import json
 import os
-import signal
 import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
+
+from kit.grading import deadlines, timings
 
 KEY_ENV = "KIT_GRADING_KEY"
 FRAME_ATTRIBUTES = frozenset({"f_back", "f_locals", "f_globals", "tb_frame", "gi_frame", "cr_frame", "ag_frame"})
@@ -63,7 +74,11 @@ class _State:
     log_path: str | None = None
     sign = staticmethod(signer(b""))
     seq = 0
-    timeout = 0.0
+    limits: timings.Limits | None = None
+    alarm = deadlines.Alarm()
+    files_started: set[str] = set()  # test files of which a test has begun in this process
+    import_timeout = 0.0
+    import_failures: dict[int, str] = {}
     originals: dict = {}
     flags: list[str] = []
     student_root: str = ""
@@ -73,7 +88,13 @@ class _State:
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("kit grading")
     group.addoption("--grading-log", default=None, help="append per-test grading events (JSON lines) here")
-    group.addoption("--per-test-timeout", type=float, default=0.0, help="seconds before a test is failed")
+    group.addoption("--per-test-timeout", type=float, default=0.0,
+                    help="most seconds a test may take, and the limit of tests with no recorded time (0: none)")
+    group.addoption("--timing-factor", type=float, default=timings.FACTOR, help="limit = factor × reference time…")
+    group.addoption("--timing-floor", type=float, default=timings.FLOOR, help="…but at least this many seconds")
+    group.addoption("--import-timeout", type=float, default=0.0,
+                    help="import each graded stage's modules first, failing the stage past this many seconds")
+    group.addoption("--failed-imports", default=None, help="JSON {stage: reason}: stages already known not to import")
 
 
 def _write(event: dict) -> None:
@@ -159,7 +180,15 @@ def pytest_configure(config: pytest.Config) -> None:
     if path:
         _State.log_path = os.path.abspath(path)
         _State.log = open(path, "a", encoding="utf-8")  # noqa: SIM115 — stays open for the whole session
-    _State.timeout = config.getoption("--per-test-timeout") or 0.0
+    cap = config.getoption("--per-test-timeout") or 0.0
+    if cap > 0:
+        _State.limits = timings.Limits(timings.load(Path(config.rootpath)), cap=cap,
+                                       factor=config.getoption("--timing-factor"),
+                                       floor=config.getoption("--timing-floor"))
+    _State.import_timeout = config.getoption("--import-timeout") or 0.0
+    known = config.getoption("--failed-imports")
+    if known:
+        _State.import_failures = {int(k): v for k, v in json.loads(Path(known).read_text()).items()}
     # Grading the reference itself (the kit's own check) needs no defences against it.
     if path and os.environ.get("LLMSYS_IMPL", "student") == "student":
         _State.student_root = str(Path(config.rootpath, "student")) + os.sep
@@ -172,7 +201,7 @@ def graded_info(item: pytest.Item) -> dict | None:
     points = item.get_closest_marker("points")
     if points is None:
         return None
-    stage = next((int(m.name[5:]) for m in item.iter_markers() if m.name[:5] == "stage" and m.name[5:].isdigit()), 0)
+    stage = _stage_of(item)
     doc = (getattr(item, "obj", None).__doc__ or "").strip().split("\n")[0] if hasattr(item, "obj") else ""
     return {
         "nodeid": item.nodeid,
@@ -186,32 +215,47 @@ def graded_info(item: pytest.Item) -> dict | None:
 def pytest_collection_finish(session: pytest.Session) -> None:
     tests = [info for item in session.items if (info := graded_info(item)) is not None]
     _write({"event": "collected", "tests": tests, "time": time.time()})
+    if _State.import_timeout > 0 and _State.log is not None:
+        from kit.impl import selected
+
+        deadlines.check_imports(selected(), sorted({t["stage"] for t in tests}), _State.import_timeout,
+                                _State.import_failures, _write)
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     _write({"event": "finished", "exitstatus": int(exitstatus), "time": time.time()})
 
 
-class TestTimeout(Exception):
-    """The test ran past the grader's per-test time limit."""
+def _stage_of(item: pytest.Item) -> int:
+    return next((int(m.name[5:]) for m in item.iter_markers() if m.name[:5] == "stage" and m.name[5:].isdigit()), 0)
 
 
-def _on_alarm(signum, frame):
-    raise TestTimeout(f"test exceeded the per-test time limit of {_State.timeout:g} s (an endless loop or a hang?)")
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item: pytest.Item):
+    file = item.nodeid.split("::")[0]
+    first_in_file = file not in _State.files_started
+    _State.files_started.add(file)
+    budget = _State.limits.budget(item.nodeid, first_in_file=first_in_file) if _State.limits else None
+    _write({"event": "start", "nodeid": item.nodeid, "limit": budget.total if budget else 0.0})
+    why = _State.import_failures.get(_stage_of(item))
+    if why is not None:
+        stage = _stage_of(item)
+        pytest.fail(f"Stage {stage}'s code did not import, so none of its tests can run:\n{why}", pytrace=False)
+    with _State.alarm.limit(budget.run if budget else 0.0, "the test (setup and call)"):
+        return (yield)
 
 
-@pytest.hookimpl(hookwrapper=True)
+@pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item: pytest.Item):
-    if _State.timeout > 0 and hasattr(signal, "SIGALRM"):
-        previous = signal.signal(signal.SIGALRM, _on_alarm)
-        signal.setitimer(signal.ITIMER_REAL, _State.timeout)
-        try:
-            yield
-        finally:
-            signal.setitimer(signal.ITIMER_REAL, 0)
-            signal.signal(signal.SIGALRM, previous)
-    else:
-        yield
+    # What setup left of the run budget (at least a moment, so a limit is always armed when one is set).
+    with _State.alarm.limit(max(_State.alarm.remaining, 0.01) if _State.limits else 0.0, "the test (setup and call)"):
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem):
+    with _State.alarm.limit(_State.limits.budget(item.nodeid).teardown if _State.limits else 0.0, "the teardown"):
+        return (yield)
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -9,7 +9,9 @@ that no longer add up. The handout states each graded problem as::
 
 and this module checks, against the collected test suite, that every named test exists in that stage,
 that the points in the heading equal the sum of the named tests' points (all parametrisations counted),
-that every graded test belongs to exactly one problem, and that nothing is left over.
+that every graded test belongs to exactly one problem, and that nothing is left over. Which chapters
+belong to which stage comes from the stage registry (:mod:`kit.stages`); a stage may have several.
+Where ``tests/hidden`` is absent (the student release), ``Hidden tests:`` lines are not checked.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ import tempfile
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from kit import stages as registry
 
 ROOT = Path(__file__).resolve().parent.parent
 PROBLEM = re.compile(r"^###\s+Problem\s+(?P<stage>\d+)\.(?P<num>\d+)\s+[—-]+\s+(?P<title>.+?)\s+"
@@ -78,58 +82,67 @@ def _function(nodeid: str) -> str:
     return nodeid.split("::")[-1].split("[")[0]
 
 
+def _check_stage(stage: registry.Stage, root: Path, points: dict, claimed: dict, hidden_present: bool) -> list[str]:
+    errors: list[str] = []
+    n = stage.number
+    problems: list[Problem] = []
+    for chapter in stage.chapter_paths(root):
+        if not chapter.exists():
+            errors.append(f"kit/stages.py names handout/{chapter.name} for stage {n}, which does not exist")
+            continue
+        problems += parse_handout(chapter)
+    for p in problems:
+        if p.stage != n:
+            errors.append(f"{p.where}: problem {p.number} is in a stage {n} chapter "
+                          f"(headings read `### Problem {n}.k — Title (P points)`)")
+            continue
+        if p.points is None:
+            if p.tests:
+                errors.append(f"{p.where}: written problem {p.number} names tests; give it points instead")
+            continue
+        if not p.tests:
+            errors.append(f"{p.where}: problem {p.number} has points but no `Tests:` line")
+        total = 0.0
+        for name in p.tests:
+            key = (n, name, False)
+            if key not in points:
+                errors.append(f"{p.where}: problem {p.number} names `{name}`, which is not a graded stage {n} test")
+                continue
+            if key in claimed:
+                errors.append(f"{p.where}: `{name}` is already claimed by problem {claimed[key]}")
+            claimed[key] = p.number
+            total += points[key]
+        if abs(total - p.points) > 1e-9:
+            errors.append(f"{p.where}: problem {p.number} says {p.points:g} points, its tests are worth {total:g}")
+        for name, stated in p.hidden.items() if hidden_present else ():
+            key = (n, name, True)
+            if key not in points:
+                errors.append(f"{p.where}: problem {p.number} names hidden `{name}`, which is not a hidden "
+                              f"stage {n} test")
+                continue
+            claimed[key] = p.number
+            if stated is not None and abs(stated - points[key]) > 1e-9:
+                errors.append(f"{p.where}: hidden `{name}` is said to be worth {stated:g}, "
+                              f"the test is worth {points[key]:g}")
+    return errors
+
+
 def check(root: Path = ROOT) -> list[str]:
     """Every disagreement between the handout and the suite, as readable lines (empty when all agree)."""
     errors: list[str] = []
-    tests = collect_graded_tests(root)
     points: dict[tuple[int, str, bool], float] = defaultdict(float)
-    for t in tests:
+    for t in collect_graded_tests(root):
         points[(t["stage"], _function(t["nodeid"]), t["hidden"])] += t["points"]
     claimed: dict[tuple[int, str, bool], str] = {}
-    stages = sorted({t["stage"] for t in tests})
-    for stage in stages:
-        chapters = sorted((root / "handout").glob(f"0{stage}-*.md"))
-        if not chapters:
-            errors.append(f"stage {stage} has graded tests but no handout/0{stage}-*.md chapter")
-            continue
-        problems = parse_handout(chapters[0])
-        for p in problems:
-            if p.stage != stage:
-                errors.append(f"{p.where}: problem {p.number} is in the stage {stage} chapter "
-                              f"(headings read `### Problem {stage}.k — Title (P points)`)")
-                continue
-            if p.points is None:
-                if p.tests:
-                    errors.append(f"{p.where}: written problem {p.number} names tests; give it points instead")
-                continue
-            if not p.tests:
-                errors.append(f"{p.where}: problem {p.number} has points but no `Tests:` line")
-            total = 0.0
-            for name in p.tests:
-                key = (stage, name, False)
-                if key not in points:
-                    errors.append(f"{p.where}: problem {p.number} names `{name}`, which is not a graded "
-                                  f"stage {stage} test")
-                    continue
-                if key in claimed:
-                    errors.append(f"{p.where}: `{name}` is already claimed by problem {claimed[key]}")
-                claimed[key] = p.number
-                total += points[key]
-            if abs(total - p.points) > 1e-9:
-                errors.append(f"{p.where}: problem {p.number} says {p.points:g} points, its tests are worth {total:g}")
-            for name, stated in p.hidden.items():
-                key = (stage, name, True)
-                if key not in points:
-                    errors.append(f"{p.where}: problem {p.number} names hidden `{name}`, which is not a hidden "
-                                  f"stage {stage} test")
-                    continue
-                claimed[key] = p.number
-                if stated is not None and abs(stated - points[key]) > 1e-9:
-                    errors.append(f"{p.where}: hidden `{name}` is said to be worth {stated:g}, "
-                                  f"the test is worth {points[key]:g}")
+    hidden_present = (root / "tests" / "hidden").is_dir()
+    for stage in registry.STAGES:
+        errors += _check_stage(stage, root, points, claimed, hidden_present)
+    known = set(registry.numbers())
     for key in sorted(points):
-        if key not in claimed:
-            stage, name, hidden = key
+        stage, name, hidden = key
+        if stage not in known:
+            errors.append(f"test `{name}` is marked stage{stage}, but kit/stages.py has no stage {stage}")
+        elif key not in claimed:
             errors.append(f"{'hidden ' if hidden else ''}test `{name}` (stage {stage}, {points[key]:g} points) "
                           "belongs to no problem in the handout")
     return errors

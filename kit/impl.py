@@ -14,17 +14,6 @@ from types import ModuleType
 ENV_VAR = "LLMSYS_IMPL"
 CHOICES = ("student", "reference")
 
-# Module names each stage adds to the implementation packages. A stage that is not there yet is
-# reported as missing rather than crashing every other stage's tests.
-STAGE_MODULES = {
-    1: ("benchmarking",),
-    2: ("precision",),
-    3: ("flash_attention",),
-    4: ("ddp", "collectives"),
-    5: ("zero",),
-    6: ("parallel",),
-}
-
 
 def selected(name: str | None = None) -> str:
     """The implementation package name in force (``student`` or ``reference``)."""

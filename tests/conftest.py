@@ -5,8 +5,10 @@ same files grade the student package, the reference, or a staged submission. ``$
 too and is what spawned ranks and notebooks read.
 
 Every test in a ``test_stage*.py`` file carries one ``stageN`` marker and a ``points(n)`` marker; the
-grader turns them into a score. ``gpu`` tests are skipped, loudly, on machines without CUDA and are
-not graded. ``tests/kit`` holds the kit's own tests (grader, release, spawn helper), never graded.
+grader turns them into a score. The ``stageN`` markers are registered here from the stage registry
+(:mod:`kit.stages`), and a test's marker must be the stage whose test files (``Stage.tests``) hold it.
+``gpu`` tests are skipped, loudly, on machines without CUDA and are not graded. ``tests/kit`` holds the
+kit's own tests (grader, release, spawn helper), never graded.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch
 
 import kit  # noqa: F401 — sets TRITON_INTERPRET before anything imports triton
 from kit import impl as impl_module
+from kit import stages as registry
 
 TESTS = Path(__file__).resolve().parent
 
@@ -34,6 +37,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    for stage in registry.STAGES:
+        config.addinivalue_line("markers", f"{stage.marker}: Stage {stage.number} — {stage.title}")
     choice = impl_module.selected(config.getoption("--impl"))
     # Spawned ranks and notebook kernels inherit the environment, so they load the same package.
     os.environ[impl_module.ENV_VAR] = choice
@@ -44,16 +49,29 @@ def pytest_report_header(config: pytest.Config) -> str:
     return f"llm-systems-lab: grading impl={impl_module.selected()} · torch {torch.__version__} · {device}"
 
 
+def _stage_of_file(path: Path) -> int | None:
+    """The registered stage whose test files include ``path``, or None."""
+    for stage in registry.STAGES:
+        if path in stage.test_paths(TESTS.parent):
+            return stage.number
+    return None
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     problems = []
+    owners: dict[Path, int | None] = {}
     for item in items:
         path = Path(str(item.path))
         if path.name.startswith("test_stage"):
             stages = [m.name for m in item.iter_markers() if m.name[:5] == "stage" and m.name[5:].isdigit()]
             has_points = item.get_closest_marker("points") is not None
             is_gpu = item.get_closest_marker("gpu") is not None
+            owner = owners[path] if path in owners else owners.setdefault(path, _stage_of_file(path))
             if len(set(stages)) != 1:
                 problems.append(f"{item.nodeid}: needs exactly one stageN marker, has {stages}")
+            elif owner is None or stages[0] != f"stage{owner}":
+                problems.append(f"{item.nodeid}: marked {stages[0]}, but kit/stages.py lists this file under "
+                                + (f"stage {owner}" if owner else "no stage"))
             if not has_points and not is_gpu:
                 problems.append(f"{item.nodeid}: graded tests need a points(n) marker")
             if is_gpu and has_points:

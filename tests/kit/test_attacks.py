@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from kit import grader
+from kit.grading import batch, reporting, running
+from kit.grading.scoring import GradeResult
 
 ATTACKS = Path(__file__).resolve().parent / "attacks"
 
@@ -27,10 +28,10 @@ def _processes_with(token: bytes) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def graded(tmp_path_factory) -> tuple[dict[str, grader.GradeResult], Path]:
+def graded(tmp_path_factory) -> tuple[dict[str, GradeResult], Path]:
     out = tmp_path_factory.mktemp("attack-grades")
-    limits = grader.Limits(timeout=90, per_test_timeout=10, memory_gb=2)
-    results = grader.grade_batch(ATTACKS, out, stages=[1], limits=limits, jobs=2)
+    limits = running.Limits(timeout=90, per_test_timeout=10, memory_gb=2)
+    results = batch.grade_batch(ATTACKS, out, stages=[1], limits=limits, jobs=2).results
     return {r.submission: r for r in results}, out
 
 
@@ -40,7 +41,7 @@ def test_every_attack_is_graded_and_scores_zero(graded):
     assert sorted(results) == names, "every submission gets a result, whatever the others did"
     for name, r in results.items():
         assert r.max_score > 0, f"{name}: no tests were collected ({r.status}: {r.message})"
-        assert r.score == 0, f"{name} scored {r.score}:\n{grader.format_table(r)}"
+        assert r.score == 0, f"{name} scored {r.score}:\n{reporting.format_table(r)}"
         data = json.loads((out / name / "results.json").read_text())
         assert data["score"] == 0 and data["max_score"] == r.max_score
 

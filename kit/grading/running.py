@@ -1,0 +1,252 @@
+"""Run the graded suite on one tree in a sandboxed child process, and keep going whatever the code does.
+
+The child (``python -m kit.sandbox … -- python -m pytest …``) gets a reduced environment, resource limits,
+its own process group and the grading plugin, which reports every test to a signed log. The grader
+watches that log while the child runs:
+
+* a test past its time limit raises inside the child (the plugin's alarm); one that does not stop —
+  a hang in C code, a replaced signal handler — is killed from here ``Limits.grace`` seconds later;
+* if the child dies or is killed mid-run, the test it was in fails and the tests it never reached run
+  again in a fresh child (at most ``MAX_RESUMES`` times), so one bad test costs one test;
+* if it dies or hangs while importing a stage's modules, that stage fails and the others are graded;
+* past the submission's time limit, or when grading is interrupted, it stops with what it has.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from kit import stages as registry
+from kit.grading import processes, scoring, timings
+from kit.grading.events import Activity, RunRecord, SignedLog
+from kit.grading.staging import ROOT, stage_submission
+
+SECRET_HINTS = ("TOKEN", "SECRET", "PASSWORD", "PASSWD", "CREDENTIAL", "API_KEY", "PRIVATE_KEY", "AWS_", "GITHUB_")
+ALLOWED_ENV = {"PATH", "LANG", "LC_ALL", "LC_CTYPE", "TERM", "TZ", "USER", "LOGNAME", "SHELL", "VIRTUAL_ENV",
+               "LD_LIBRARY_PATH", "CUDA_VISIBLE_DEVICES", "GLOO_SOCKET_IFNAME", "OMP_NUM_THREADS", "MKL_NUM_THREADS"}
+ALLOWED_PREFIXES = ("TRITON_", "NCCL_", "CUDA_", "NVIDIA_", "TORCH_")
+OUTPUT_TAIL_BYTES = 64_000
+MAX_RESUMES = 8
+LINGER = 30.0  # seconds a child that finished may take to exit (student threads that never end)
+POLL = 0.25
+
+
+@dataclass
+class Limits:
+    """What one submission may use. Times in seconds; memory per process (CPU only).
+
+    ``per_test_timeout`` caps every test and is the limit of tests with no recorded reference time; the
+    others get ``max(timing_floor, timing_factor × reference time)`` (:mod:`kit.grading.timings`).
+    """
+
+    timeout: float = 1800.0
+    per_test_timeout: float = 300.0
+    import_timeout: float = 30.0
+    grace: float = 30.0  # past a test's or an import's limit, before a child that did not stop is killed
+    timing_factor: float = timings.FACTOR
+    timing_floor: float = timings.FLOOR
+    memory_gb: float | None = 8.0
+    file_gb: float | None = 2.0
+
+
+def child_env(impl: str, home: Path, grading_id: str, key: str) -> dict[str, str]:
+    """Only what the tests need: no tokens, credentials or the grader's own settings reach student code."""
+    env = {
+        k: v for k, v in os.environ.items()
+        if (k in ALLOWED_ENV or k.startswith(ALLOWED_PREFIXES)) and not any(h in k.upper() for h in SECRET_HINTS)
+    }
+    env.update(
+        LLMSYS_IMPL=impl, PYTHONHASHSEED="0", PYTHONDONTWRITEBYTECODE="1", PYTHONUNBUFFERED="1",
+        HOME=str(home), TMPDIR=str(home), MPLBACKEND="Agg", KIT_GRADING_ID=grading_id, KIT_GRADING_KEY=key,
+    )
+    return env
+
+
+def tail(path: Path) -> str:
+    size = path.stat().st_size if path.exists() else 0
+    if not size:
+        return ""
+    with open(path, "rb") as f:
+        f.seek(max(0, size - OUTPUT_TAIL_BYTES))
+        text = f.read().decode("utf-8", "replace")
+    return (f"[… {size - OUTPUT_TAIL_BYTES} bytes of output cut …]\n" if size > OUTPUT_TAIL_BYTES else "") + text
+
+
+class SuiteRun:
+    """One grading of one tree: child processes ("attempts") until every test has reported or time is up."""
+
+    def __init__(self, tree: Path, impl: str, limits: Limits, stages: list[int] | None, include_hidden: bool):
+        self.tree, self.impl, self.limits = tree, impl, limits
+        markers = f"({registry.marker_expression(stages)})" + ("" if include_hidden else " and not hidden")
+        self.selection = ["-m", markers, "--ignore=tests/kit"] + ([] if include_hidden else ["--ignore=tests/hidden"])
+        self.record = RunRecord()
+        self.notes: list[str] = []
+        self.status = "ok"
+        self.grading_id, self.key = processes.new_grading_id(), secrets.token_hex(32)
+        self.deadline = time.monotonic() + limits.timeout
+
+    def run(self, tmp: Path) -> str:
+        """Run attempts until done; return the tail of the children's output."""
+        home, out = tmp / "home", tmp / "output.txt"
+        home.mkdir()
+        env = child_env(self.impl, home, self.grading_id, self.key)
+        targets = ["tests"]
+        for attempt in range(MAX_RESUMES + 1):
+            outcome, code = self._attempt(tmp, attempt, targets, env, out)
+            targets = self._resume_targets(outcome, code)
+            if not targets:
+                break
+        return tail(out)
+
+    def _command(self, log: Path, failed_imports: Path, targets: list[str]) -> list[str]:
+        lim = self.limits
+        return [sys.executable, "-m", "kit.sandbox", f"--memory-gb={lim.memory_gb or 0}",
+                f"--file-gb={lim.file_gb or 0}", f"--grader-pid={os.getpid()}", "--",
+                sys.executable, "-m", "pytest", *targets, "-q", "-p", "kit", "-p", "no:cacheprovider",
+                "-p", "kit.grading_plugin", f"--grading-log={log}", f"--per-test-timeout={lim.per_test_timeout}",
+                f"--timing-factor={lim.timing_factor}", f"--timing-floor={lim.timing_floor}",
+                f"--import-timeout={lim.import_timeout}", f"--failed-imports={failed_imports}",
+                f"--impl={self.impl}", *self.selection, "-o", "addopts=", "--tb=short"]
+
+    def _attempt(self, tmp: Path, n: int, targets: list[str], env: dict, out: Path) -> tuple[str, int | None]:
+        """One child process: returns how it ended (exited, hung, lingered, timeout, interrupted) and its exit code."""
+        log, failed_imports = tmp / f"events-{n}.jsonl", tmp / f"failed-imports-{n}.json"
+        failed_imports.write_text(json.dumps(self.record.import_failures))
+        reader = SignedLog(log, self.key)
+        self.record.finished = False
+        with open(out, "ab") as output:
+            try:
+                proc = processes.start(self._command(log, failed_imports, targets), cwd=self.tree, env=env,
+                                       output=output, grading_id=self.grading_id)
+            except InterruptedError:
+                return "interrupted", None
+            try:
+                outcome = self._watch(proc, reader)
+            finally:
+                processes.stop(proc)
+        killed = processes.kill_leftovers(self.grading_id)
+        if killed:
+            self.notes.append(f"killed {killed} process(es) the submission left running")
+        for event in reader.read_new():
+            self.record.apply(event)
+        if reader.forged:
+            self.record.flags.append(f"{reader.forged} forged or altered line(s) in the grading log were ignored")
+        return outcome, proc.returncode
+
+    def _watch(self, proc, reader: SignedLog) -> str:
+        finished_at = None
+        while True:
+            for event in reader.read_new():
+                self.record.apply(event)
+            exited = proc.poll() is not None
+            if processes.INTERRUPTED.is_set():
+                return "interrupted"
+            if exited:
+                return "exited"
+            if time.monotonic() >= self.deadline:
+                return "timeout"
+            if self.record.activity is not None and self.record.activity.overdue(self.limits.grace):
+                return "hung"
+            if self.record.finished:
+                finished_at = finished_at or time.monotonic()
+                if time.monotonic() - finished_at > LINGER:
+                    return "lingered"
+            time.sleep(POLL)
+
+    def _resume_targets(self, outcome: str, code: int | None) -> list[str]:
+        """After an attempt: the tests to run in a fresh child (none: the run is over)."""
+        record = self.record
+        if outcome in ("interrupted", "timeout"):
+            self.status = outcome
+            return []
+        if record.collected is None or record.finished:
+            return []
+        activity = record.activity
+        if activity is not None and activity.kind == "import":
+            self._import_failed(activity, outcome, code)
+        elif not self._test_failed(activity, outcome, code):
+            return []
+        record.activity = None
+        return record.unreported()
+
+    def _import_failed(self, activity: Activity, outcome: str, code: int | None) -> None:
+        """The child hung or died importing a stage's module: that stage fails (stage 0: the package, all fail)."""
+        why = (f"importing {activity.what} did not stop at its time limit of {activity.limit:g} s and was killed"
+               if outcome == "hung" else f"the test process exited (code {code}) while importing {activity.what}")
+        for stage in [activity.stage] if activity.stage else {t["stage"] for t in self.record.collected}:
+            self.record.import_failures.setdefault(stage, why)
+        self.notes.append(why)
+        if outcome != "hung":
+            self.status = "crashed"
+
+    def _test_failed(self, activity: Activity | None, outcome: str, code: int | None) -> bool:
+        """The child hung or died in a test: that test fails. False if no test was running (nothing to resume)."""
+        unreported = self.record.unreported()
+        culprit = activity.what if activity is not None else next(
+            (n for n in unreported if n in self.record.reports), unreported[0] if unreported else None)
+        if culprit is None:
+            return False
+        name = culprit.split("::")[-1]
+        if outcome == "hung":
+            self.record.fail(culprit, f"the test did not stop at its time limit of {activity.limit:g} s and was "
+                                      "killed; the remaining tests were run again in a fresh process")
+            self.notes.append(f"{name} did not stop at its time limit and was killed")
+        else:
+            self.record.fail(culprit, f"the test process exited during this test (exit code {code}): os._exit, "
+                                      "a crash, or the memory limit. The remaining tests were run again in a fresh "
+                                      "process.")
+            self.notes.append(f"the test process died during {name} (exit code {code})")
+            self.status = "crashed"
+        return True
+
+    def result(self, submission: str, output: str, elapsed: float) -> scoring.GradeResult:
+        result = scoring.GradeResult(submission=submission, output=output, execution_time=elapsed)
+        if self.record.collected is None and self.status != "interrupted":
+            result.status = "error"
+            result.message = "the test suite did not start; see the output"
+            return result
+        result.tests = scoring.score(self.record, scoring.problem_numbers())
+        result.flags = self.record.flags
+        result.status = self.status
+        if self.status == "timeout":
+            self.notes.insert(0, f"the submission ran past its {self.limits.timeout:g} s limit and was stopped")
+        elif self.status == "interrupted":
+            self.notes.insert(0, "grading was interrupted before it finished: this is not a grade")
+        flagged = [f"FLAGGED: {'; '.join(result.flags)}"] if result.flags else []
+        result.message = "; ".join(self.notes + flagged)
+        return result
+
+
+def run_suite(tree: Path, impl: str, *, stages: list[int] | None = None, include_hidden: bool = False,
+              limits: Limits | None = None, submission: str | None = None) -> scoring.GradeResult:
+    """Run the graded tests of ``tree`` against ``impl`` in a sandboxed child process group and score them."""
+    processes.become_subreaper()
+    run = SuiteRun(tree, impl, limits or Limits(), stages, include_hidden)
+    start = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="kit-grade-") as tmp:
+        output = run.run(Path(tmp))
+    return run.result(submission or str(tree), output, time.monotonic() - start)
+
+
+def grade(impl: str = "student", *, stages: list[int] | None = None, include_hidden: bool = False,
+          limits: Limits | None = None) -> scoring.GradeResult:
+    """Grade ``student``/``reference`` in this kit, or a submission folder at a path (staged in a clean copy)."""
+    if impl in ("student", "reference"):
+        return run_suite(ROOT, impl, stages=stages, include_hidden=include_hidden, limits=limits, submission=impl)
+    path = Path(impl)
+    if not path.exists():
+        raise FileNotFoundError(f"--impl must be 'student', 'reference' or an existing folder, got {impl!r}")
+    with tempfile.TemporaryDirectory(prefix="kit-submission-") as tmp:
+        notes = stage_submission(path, Path(tmp), include_hidden=include_hidden)
+        result = run_suite(Path(tmp), "student", stages=stages, include_hidden=include_hidden, limits=limits,
+                           submission=str(path))
+    if notes:
+        result.message = "; ".join(filter(None, [result.message, *notes]))
+    return result
