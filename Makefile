@@ -13,7 +13,7 @@ HAVE_REFERENCE := $(wildcard reference/__init__.py)
 export PYTHONDONTWRITEBYTECODE := 1
 
 .PHONY: help setup grade test test-reference test-kit lint student check-student release autograder check-handout soak \
-        timings stages notebooks bench doctor clean
+        timings stages mutants notebooks bench doctor clean
 
 # `##` describes a target for `make help`; `##@instructor` marks one that needs reference/ (hidden in the student
 # release), `##@student` one that only the student release has.
@@ -70,6 +70,9 @@ soak: setup ##@instructor run the graded reference suite RUNS times in a row; st
 
 timings: setup ##@instructor record each graded test's reference time in tests/timings.json (the grader's per-test limits)
 	$(PY) -m kit grade --impl reference --hidden --record-timings $(if $(STAGE),--stage $(STAGE))
+
+mutants: setup ##@instructor the misconception catalogue (tests/kit/mutants): each mistake must fail a public test (STAGE=N or auto)
+	$(PY) -m kit mutants $(if $(STAGE),--stage $(STAGE))
 
 stages: setup ## list the stages (kit/stages.py): number, title, modules, handout chapters
 	@$(PY) -m kit stages

@@ -157,6 +157,12 @@ def cmd_nsys_summary(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_mutants(args: argparse.Namespace) -> int:
+    from kit import mutants
+
+    return mutants.main(args.rest)
+
+
 def _limit_options(p: argparse.ArgumentParser) -> None:
     from kit.grading import timings
 
@@ -221,6 +227,11 @@ def main(argv: list[str] | None = None) -> int:
 
     d = sub.add_parser("doctor", help="what this machine can run: versions, CUDA, Triton mode, nsys")
     d.set_defaults(func=cmd_doctor)
+
+    m = sub.add_parser("mutants", help="run the misconception catalogue: does each mistake fail a public test? "
+                       "(python -m kit mutants --help)", add_help=False)
+    m.add_argument("rest", nargs=argparse.REMAINDER)
+    m.set_defaults(func=cmd_mutants)
 
     n = sub.add_parser("nsys-summary", help="kernel time per NVTX range from `nsys stats` CSV files")
     n.add_argument("nvtx_csv", help="CSV of `nsys stats --report nvtx_sum --format csv`")
