@@ -238,6 +238,9 @@ def main(argv: list[str] | None = None) -> int:
     n.add_argument("kern_csv", nargs="?", help="CSV of `nsys stats --report cuda_gpu_kern_sum --format csv`")
     n.set_defaults(func=cmd_nsys_summary)
 
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["mutants"]:  # its own options, --help included, belong to kit.mutants
+        return cmd_mutants(argparse.Namespace(rest=argv[1:]))
     args = parser.parse_args(argv)
     return args.func(args)
 
