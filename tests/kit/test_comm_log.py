@@ -41,8 +41,9 @@ def test_sees_every_collective_its_waits_and_marks() -> None:
     for rank, events in enumerate(per_rank):
         text = ", ".join(map(str, events))
         collectives = [e for e in events if e.kind == "collective"]
+        subgroup = [("broadcast", 16, False)] if rank else []
         expected = [("all_reduce", 24, False), ("all_reduce", 24, True), ("all_reduce", 24, True),
-                    ("all_reduce", 32, True)] + ([("broadcast", 16, False)] if rank else []) + [("all_gather", 20, False)]
+                    ("all_reduce", 32, True), *subgroup, ("all_gather", 20, False)]
         assert [(e.op, e.nbytes, e.async_op) for e in collectives] == expected, f"rank {rank}: {text}"
         groups = [e.group for e in collectives]
         assert groups == [(0, 1, 2)] * 4 + ([(1, 2)] if rank else []) + [(0, 1, 2)], f"rank {rank}: {text}"
