@@ -259,7 +259,9 @@ class SpawnedChecks:
         if failures:
             last = max(failures, key=lambda f: (order[f.check], -f.rank))
             lead += f": the spawn stopped after check {last.check!r} failed on rank {last.rank} ({last.headline})"
-        return type(error)(f"{lead}. {error}")
+        again = type(error)(f"{lead}. {error}")
+        again.__dict__.update(error.__dict__)  # RankFailedError's rank and error_type
+        return again
 
 
 def spawned_checks(fn: Callable[..., dict], world_size: int, *, args: tuple | Callable[..., tuple] = (),

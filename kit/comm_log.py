@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["CommLog", "Event"]
+__all__ = ["CommLog", "Event", "format_events"]
 
 __tracebackhide__ = True  # pytest: the kit's plumbing is not part of a student's traceback
 
@@ -77,6 +77,11 @@ class Event:
             return f"wait({self.op or '?'}{'' if self.target is None else f' #{self.target}'})"
         flag = {True: "async", False: "sync", None: ""}[self.async_op]
         return f"{self.op}({', '.join(x for x in (f'{self.nbytes} B', flag, f'group {list(self.group)}') if x)})"
+
+
+def format_events(events: list[Event]) -> str:
+    """Events as one line, ``#index event`` for collectives (the index a wait points back at)."""
+    return ", ".join(f"#{i} {e}" if e.kind == "collective" else str(e) for i, e in enumerate(events))
 
 
 def _nbytes(payload: Any) -> int:
@@ -183,7 +188,6 @@ class CommLog(TorchDispatchMode):
                 out[e.op] = out.get(e.op, 0) + e.nbytes
         return out
 
-    def format(self, events: list[Event] | None = None) -> str:
-        """The events as one line, ``#index event`` for collectives, for a failure message."""
-        events = self.events if events is None else events
-        return ", ".join(f"#{i} {e}" if e.kind == "collective" else str(e) for i, e in enumerate(events))
+    def format(self) -> str:
+        """The events as one line, for a failure message (see :func:`format_events`)."""
+        return format_events(self.events)

@@ -47,7 +47,14 @@ __tracebackhide__ = True
 
 
 class RankFailedError(RuntimeError):
-    """A rank raised or died; the message starts with its own error, then its traceback."""
+    """A rank raised or died; the message starts with its own error, then its traceback.
+
+    ``rank`` and ``error_type`` name the first failing rank and its exception type (``"RankDied"`` for a
+    rank that died without reporting), so a caller can tell a stub's ``NotImplementedError`` apart.
+    """
+
+    rank: int | None = None
+    error_type: str | None = None
 
 
 class RankTimeoutError(RuntimeError):
@@ -94,7 +101,10 @@ def run_on_ranks(
             # A rank that died without reporting caused whatever its peers then reported, so it leads.
             errors = {**{r: silent_death(ranks, r) for r in ranks.silent()}, **ranks.errors}
             if errors:
-                raise RankFailedError(failure_message(world_size, errors))
+                error = RankFailedError(failure_message(world_size, errors))
+                error.rank, report = next(iter(errors.items()))
+                error.error_type = report["type"]
+                raise error
             missing = [r for r in range(world_size) if r not in ranks.values]
             if missing:
                 raise RankTimeoutError(timeout_message(world_size, timeout, ranks.dump_stacks(missing)))

@@ -73,6 +73,7 @@ def test_failing_rank_surfaces_its_traceback_quickly() -> None:
     lines = str(info.value).splitlines()
     # The rank's own message first: pytest's one-line summary keeps only the first line.
     assert lines[0] == "rank 1 of 2 failed: ValueError: rank one is broken on purpose"
+    assert (info.value.rank, info.value.error_type) == (1, "ValueError")
     assert "in _fail_on_rank_one" in str(info.value), "the rank's traceback follows"
     assert "kit/spawn" not in str(info.value), "without the kit's own frames"
     assert time.monotonic() - start < 30, "a failing rank must not make the others wait for the timeout"

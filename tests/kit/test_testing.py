@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kit.spawn import RankFailedError
 from kit.testing import assert_close, raises
 
 
@@ -53,3 +54,11 @@ def test_raises_lets_a_stub_through() -> None:
     with pytest.raises(NotImplementedError, match="Problem 1.1"):
         with raises(ValueError, match="iters", what="time_fn(iters=0)", section="handout 01 §2"):
             raise NotImplementedError("Problem 1.1: implement time_fn")
+
+
+def test_raises_turns_a_stub_met_on_a_rank_into_not_implemented() -> None:
+    error = RankFailedError("rank 1 of 2 failed: NotImplementedError: verify_same_model: compare the replicas")
+    error.rank, error.error_type = 1, "NotImplementedError"
+    with pytest.raises(NotImplementedError, match="^rank 1 of 2 failed: NotImplementedError: verify_same_model"):
+        with raises(RankFailedError, match="fc2", what="NaiveDDP(different models)", section="handout 04 §1"):
+            raise error
