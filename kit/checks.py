@@ -217,7 +217,7 @@ class SpawnedChecks:
         """The first failure of check ``name`` on any rank, or of the spawn that cut it short; ``None`` if it passed."""
         try:
             self.values(name)
-        except BaseException as exc:
+        except Exception as exc:
             failed = [o[name][1] for o in self._run() if name in o and not o[name][0]]
             return failed[0] if failed else Failure.of_spawn(name, exc)
         return None
@@ -239,8 +239,8 @@ class SpawnedChecks:
             others = [r for r, _ in failed[1:]]
             note = f"ranks {others} failed this check too" if others else ""
             if unfinished:
-                note += (f"{'; ' if note else ''}ranks {unfinished} never finished it (they waited in a collective "
-                         f"that rank {first.rank} left when it failed)")
+                note += (f"{'; ' if note else ''}ranks {unfinished} never finished it (most likely waiting in a "
+                         f"collective that rank {first.rank} left when it failed)")
             raise first.exception(note) from None
         if not unfinished:
             return [o[1] for o in mine]
@@ -259,6 +259,8 @@ class SpawnedChecks:
         if failures:
             last = max(failures, key=lambda f: (order[f.check], -f.rank))
             lead += f": the spawn stopped after check {last.check!r} failed on rank {last.rank} ({last.headline})"
+        if getattr(error, "error_type", None) == "NotImplementedError":  # a stub, met outside the checks
+            return NotImplementedError(f"{lead}. {error}")
         again = type(error)(f"{lead}. {error}")
         again.__dict__.update(error.__dict__)  # RankFailedError's rank and error_type
         return again
