@@ -58,8 +58,14 @@ def _resumes(saved) -> dict:
     return run_checks({"resume": resume, "independent": lambda: "fine"})
 
 
+def _stub_before_the_checks() -> dict:
+    _stub()  # e.g. a stub called while setting up, outside any check
+    return run_checks({"never_ran": lambda: 1})
+
+
 # The hang at the end costs the whole timeout: long enough for two ranks to start on a loaded machine.
 many = spawned_checks(_many_checks, 2, timeout=40)
+stub_first = spawned_checks(_stub_before_the_checks, 2, timeout=60)
 dependent = spawned_checks(_resumes, 2, args=lambda many: (many.value_or_failure("stub", rank=0),), timeout=60)
 
 
@@ -109,6 +115,12 @@ def test_a_dependent_spawn_quotes_the_cause(dependent) -> None:
     assert dependent.values("independent") == ["fine", "fine"]
     with pytest.raises(KeyError, match="no check named 'typo'"):
         dependent.values("typo")
+
+
+def test_a_stub_outside_the_checks_is_still_not_implemented(stub_first) -> None:
+    expected = r"^check 'never_ran' did not finish on ranks \[0, 1\]\. rank [01] of 2 failed: NotImplementedError"
+    with pytest.raises(NotImplementedError, match=expected):
+        stub_first.values("never_ran")
 
 
 def _check_alone(scale: float) -> float:
