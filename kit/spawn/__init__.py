@@ -29,6 +29,8 @@ import tempfile
 from collections.abc import Callable
 from typing import Any
 
+from kit import validate
+
 from .messages import failure_message, silent_death, timeout_message
 from .parent import Ranks, collect
 from .rank import default_backend, init_distributed, rank_device
@@ -83,15 +85,10 @@ def run_on_ranks(
         RankFailedError: a rank raised or died; the message starts with the first failing rank's error.
         RankTimeoutError: the ranks did not finish in time; the message has their stacks.
     """
-    if not callable(fn):
-        raise TypeError(f"fn must be callable, got {type(fn).__name__}")
-    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
-        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
-    if not isinstance(timeout, (int, float)) or timeout <= 0:
-        raise ValueError(f"timeout must be positive seconds, got {timeout!r}")
-    backend = backend or default_backend(world_size)
-    if backend not in ("gloo", "nccl"):
-        raise ValueError(f"backend must be 'gloo', 'nccl' or None, got {backend!r}")
+    validate.callable_arg("fn", fn)
+    validate.positive_int("world_size", world_size)
+    validate.positive_number("timeout", timeout)
+    backend = validate.choice("backend", backend or default_backend(world_size), ("gloo", "nccl"))
 
     with tempfile.TemporaryDirectory(prefix="kit-ranks-") as folder:
         ranks = Ranks(fn, world_size, backend, folder, args, kwargs or {}, timeout)

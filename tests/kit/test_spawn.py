@@ -125,7 +125,7 @@ def test_no_orphans_left_behind() -> None:
 def test_bad_arguments_are_named() -> None:
     with pytest.raises(ValueError, match="world_size"):
         run_on_ranks(_report_pid, 0)
-    with pytest.raises(ValueError, match="world_size"):
+    with pytest.raises(TypeError, match="world_size"):
         run_on_ranks(_report_pid, True)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="timeout"):
         run_on_ranks(_report_pid, 1, timeout=0)
