@@ -6,7 +6,15 @@ handout section to reread — so a student learns from the message instead of fr
 
 from __future__ import annotations
 
+import re
+from types import TracebackType
+
 import torch
+
+__all__ = ["assert_close", "assert_equal", "raises"]
+
+# pytest hides this module's frames: a failing comparison shows the test's line and this message, not our source.
+__tracebackhide__ = True
 
 
 def _fmt_index(flat_index: int, shape: torch.Size) -> str:
@@ -50,6 +58,8 @@ def assert_close(
     if a.numel() == 0:
         return
     nonfinite = ~torch.isfinite(a) & torch.isfinite(e)
+    if nonfinite.any() and a.dim() == 0:
+        raise AssertionError(f"{name}: got {a.item()} where {e.item():.6g} was expected. See {section}.")
     if nonfinite.any():
         i = int(nonfinite.flatten().nonzero()[0])
         raise AssertionError(
@@ -60,6 +70,11 @@ def assert_close(
     err = (a - e).abs()
     bound = atol + rtol * e.abs()
     excess = torch.where(torch.isfinite(e), err - bound, torch.zeros_like(err))
+    if (excess > 0).any() and a.dim() == 0:
+        raise AssertionError(
+            f"{name}: got {a.item():.6g}, expected {e.item():.6g}: |diff| {err.item():.3g} is more than the allowed "
+            f"{bound.item():.3g} (rtol={rtol:g}, atol={atol:g}). See {section}."
+        )
     if (excess > 0).any():
         i = int(excess.flatten().argmax())
         n_bad = int((excess > 0).sum())
@@ -75,3 +90,51 @@ def assert_equal(actual, expected, *, name: str, section: str) -> None:
     """Assert plain equality of Python values with a message in the same style as :func:`assert_close`."""
     if actual != expected:
         raise AssertionError(f"{name}: got {actual!r}, expected {expected!r}. See {section}.")
+
+
+class raises:
+    """``with raises(ValueError, match="iters", what="time_fn(iters=0)", section="handout 01 §2"):`` — a teaching
+    ``pytest.raises``.
+
+    Where ``pytest.raises`` shows a bare traceback, this says what should have been rejected and how:
+    "time_fn(iters=0): expected ValueError naming 'iters', got TypeError: …", or "... returned without
+    raising". ``expected`` may be a tuple, e.g. ``(ValueError, TypeError)`` where the handout asks for
+    "an error naming the argument" without a type. ``match`` is searched (``re.search``) in the message.
+    A ``NotImplementedError`` that is not expected passes through: the stub is not written yet (so does a
+    ``RankFailedError`` whose rank raised one, as a ``NotImplementedError``).
+    ``hint`` is added to every failure message. After the block, ``.value`` is the exception raised.
+    """
+
+    def __init__(self, expected: type[BaseException] | tuple[type[BaseException], ...], match: str | None = None,
+                 *, what: str, section: str, hint: str = "") -> None:
+        self.expected = expected if isinstance(expected, tuple) else (expected,)
+        self.match, self.what, self.section, self.hint = match, what, section, hint
+        self.value: BaseException | None = None
+
+    def _wanted(self) -> str:
+        names = " or ".join(t.__name__ for t in self.expected)
+        return names + (f" naming {self.match!r}" if self.match else "")
+
+    def _fail(self, problem: str) -> AssertionError:
+        hint = f" {self.hint}" if self.hint else ""
+        return AssertionError(f"{self.what}: {problem}.{hint} See {self.section}.")
+
+    def __enter__(self) -> raises:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> bool:
+        if exc is None:
+            raise self._fail(f"returned without raising; expected {self._wanted()}")
+        expected = isinstance(exc, self.expected)
+        matches = self.match is None or re.search(self.match, str(exc))
+        if not expected and (isinstance(exc, NotImplementedError) or not isinstance(exc, Exception)):
+            return False  # a stub, or KeyboardInterrupt: let it through as it is
+        if not (expected and matches) and getattr(exc, "error_type", None) == "NotImplementedError":
+            raise NotImplementedError(str(exc)) from None  # a stub, met on another rank (kit.spawn)
+        if not expected:
+            raise self._fail(f"expected {self._wanted()}, got {type(exc).__name__}: {exc}") from exc
+        if not matches:
+            raise self._fail(f"raised {type(exc).__name__} as expected, but its message does not name "
+                             f"{self.match!r}: {str(exc)!r}") from exc
+        self.value = exc
+        return True

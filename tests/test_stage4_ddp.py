@@ -1,11 +1,12 @@
 """Stage 4 — distributed data parallel (handout/04-ddp.md).
 
-Every distributed check runs on 2 gloo ranks through ``kit.spawn.run_on_ranks``. The expected values
-come from a single process training the same model on the full batch, or from counting what the
-implementation sends. Rank functions live at module level so the spawned ranks can import them; they
-load the implementation with ``kit.impl.load()`` (the parent's ``--impl`` choice travels through
-``$LLMSYS_IMPL``). Checks run inside the ranks and raise with a message naming the rank, the model,
-the class and the step; ``run_on_ranks`` hands that message back here.
+Every distributed check runs on 2 gloo ranks, one spawn per test (``kit.checks.run_check``: a hang costs
+that test only). The expected values come from a single process training the same model on the full
+batch, or from recording what the implementation sends (``kit.comm_log.CommLog`` sees every collective
+and every ``wait()``, whoever issues it). Rank functions live at module level so the spawned ranks can
+import them; they load the implementation with ``kit.impl.load()`` (the parent's ``--impl`` choice
+travels through ``$LLMSYS_IMPL``). Checks run inside the ranks and raise with a message naming the rank,
+the model, the class and the step; the test re-raises it (a stub's ``NotImplementedError`` stays one).
 """
 
 from __future__ import annotations
@@ -17,9 +18,11 @@ import torch.nn.functional as F
 from torch import nn
 
 import kit.impl
+from kit.checks import run_check
+from kit.comm_log import CommLog, Event, format_events
 from kit.model import ModelConfig, TransformerLM
 from kit.spawn import RankFailedError, run_on_ranks
-from kit.testing import assert_close, assert_equal
+from kit.testing import assert_close, assert_equal, raises
 
 pytestmark = pytest.mark.stage4
 
@@ -134,32 +137,6 @@ def label(kind: str, bucket_mb: float | None) -> str:
     return f"{kind} (bucket_size_mb={bucket_mb})" if kind == "bucketed" else kind
 
 
-COLLECTIVES = (
-    "all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
-    "reduce", "all_to_all", "all_to_all_single", "all_gather_object", "broadcast_object_list", "all_reduce_coalesced",
-)
-
-
-def record_collectives(log: list) -> None:
-    """Replace every ``torch.distributed`` collective, in this rank only, by one that logs its call first.
-
-    Called before the implementation is imported, so even ``from torch.distributed import all_reduce``
-    picks up the logging version. Each entry is ``(name, numel of the first tensor or None, async_op)``.
-    """
-    for name in COLLECTIVES:
-        original = getattr(dist, name, None)
-        if original is None:
-            continue
-
-        def logged(*args, _original=original, _name=name, **kwargs):
-            tensor = args[0] if args and isinstance(args[0], torch.Tensor) else kwargs.get("tensor")
-            numel = tensor.numel() if isinstance(tensor, torch.Tensor) else None
-            log.append((_name, numel, bool(kwargs.get("async_op", False))))
-            return _original(*args, **kwargs)
-
-        setattr(dist, name, logged)
-
-
 def check_params(model: nn.Module, reference: nn.Module, what: str, section: str) -> None:
     rank = dist.get_rank()
     for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
@@ -226,8 +203,6 @@ def _training_rank(kind: str, steps: int) -> None:
 
 def _no_sync_rank(steps: int) -> None:
     """Two micro-batches per rank: the first inside no_sync (no collective), the second communicates."""
-    log: list = []
-    record_collectives(log)
     impl = kit.impl.load()
     rank = dist.get_rank()
     for kind in KINDS:
@@ -245,18 +220,17 @@ def _no_sync_rank(steps: int) -> None:
                 xs, ys = shard(x, rank, WORLD), shard(y, rank, WORLD)
                 optimizer.zero_grad(set_to_none=True)
                 ddp.on_train_batch_start()
-                before = len(log)
-                with ddp.no_sync():
+                with CommLog() as log, ddp.no_sync():
                     # Forward and backward both inside: the loss is halved because the full-batch loss is
                     # the mean over two micro-batches.
                     (loss_fn(ddp, shard(xs, 0, 2), shard(ys, 0, 2)) / 2).backward()
                     ddp.finish_gradient_synchronization()  # inside no_sync this must not communicate either
-                inside = log[before:]
+                inside = log.collectives()
                 what = f"{label(kind, 0.0005)} on {name}, step {step + 1}"
                 if inside:
                     raise AssertionError(
                         f"rank {rank}, {what}: {len(inside)} collectives were issued inside no_sync() "
-                        f"(first: {inside[0][0]}); gradients must only accumulate locally there (handout 04 §5)")
+                        f"({log.format()}); gradients must only accumulate locally there (handout 04 §5)")
                 (loss_fn(ddp, shard(xs, 1, 2), shard(ys, 1, 2)) / 2).backward()
                 ddp.finish_gradient_synchronization()
                 optimizer.step()
@@ -285,32 +259,18 @@ def build_deep(seed: int) -> nn.Module:
     return Deep()
 
 
-class EventLog(list):
-    """A list that also copies each collective it logs into a shared event list (so order is kept)."""
-
-    def __init__(self, events: list):
-        super().__init__()
-        self.events = events
-
-    def append(self, entry) -> None:
-        super().append(entry)
-        self.events.append(("collective",) + tuple(entry))
-
-
 def _overlap_events_rank() -> dict:
-    """For individual and bucketed DDP: the order of gradient-ready events and collective launches."""
-    events: list = []
-    log = EventLog(events)
-    record_collectives(log)
+    """For individual and bucketed DDP: gradient-ready marks, collectives and waits of one step, in order."""
     impl = kit.impl.load()
     rank = dist.get_rank()
     report: dict = {}
     for kind in ("individual", "bucketed"):
         model = build_deep(rank)
+        log = CommLog()
         # Registered before DDP's own hooks, so for each parameter "grad ready" is logged before any
         # all-reduce that this gradient triggers.
         for pname, p in model.named_parameters():
-            p.register_post_accumulate_grad_hook(lambda _p, n=pname: events.append(("grad", n)))
+            p.register_post_accumulate_grad_hook(lambda _p, n=pname, log=log: log.mark(f"grad {n}"))
         ddp = wrap(impl, kind, model, OVERLAP_CAP_MB)
         if kind == "bucketed":
             report["bucket_names"] = ddp.bucket_names
@@ -318,11 +278,11 @@ def _overlap_events_rank() -> dict:
         x = torch.randn(4, 32, generator=torch.Generator().manual_seed(rank))
         ddp.on_train_batch_start()
         loss = ddp(x).square().mean()
-        events.clear()
-        loss.backward()
-        events.append(("backward returned",))
-        ddp.finish_gradient_synchronization()
-        report[kind] = list(events)
+        with log:
+            loss.backward()
+            log.mark("backward returned")
+            ddp.finish_gradient_synchronization()
+        report[kind] = log.events
     return report
 
 
@@ -357,7 +317,7 @@ def _failing_rank() -> None:
 @pytest.mark.points(2)
 def test_ranks_agree_after_construction() -> None:
     """Construction broadcasts rank 0's parameters and buffers — frozen ones included — to every rank."""
-    results = run_on_ranks(_construction_rank, WORLD, timeout=TIMEOUT)
+    results = run_check(_construction_rank, WORLD, timeout=TIMEOUT)
     for (kind, name), (before0, after0) in results[0].items():
         before1, after1 = results[1][(kind, name)]
         differed = any(not (before0[k] == before1[k]).all() for k in before0)
@@ -376,29 +336,29 @@ def test_ranks_agree_after_construction() -> None:
 
 @pytest.mark.points(3)
 def test_naive_ddp_matches_single_process() -> None:
-    run_on_ranks(_training_rank, WORLD, args=("naive", 3), timeout=TIMEOUT)
+    run_check(_training_rank, WORLD, args=("naive", 3), timeout=TIMEOUT)
 
 
 @pytest.mark.points(3)
 def test_flat_ddp_matches_single_process() -> None:
-    run_on_ranks(_training_rank, WORLD, args=("flat", 3), timeout=TIMEOUT)
+    run_check(_training_rank, WORLD, args=("flat", 3), timeout=TIMEOUT)
 
 
 @pytest.mark.points(3)
 def test_individual_ddp_matches_single_process() -> None:
-    run_on_ranks(_training_rank, WORLD, args=("individual", 3), timeout=TIMEOUT)
+    run_check(_training_rank, WORLD, args=("individual", 3), timeout=TIMEOUT)
 
 
 @pytest.mark.points(3)
 def test_bucketed_ddp_matches_single_process() -> None:
     """Twice: with a 0.0005 MiB cap (several buckets per model) and with bucket_size_mb=None (one bucket)."""
-    run_on_ranks(_training_rank, WORLD, args=("bucketed", 3), timeout=TIMEOUT)
+    run_check(_training_rank, WORLD, args=("bucketed", 3), timeout=TIMEOUT)
 
 
 @pytest.mark.points(3)
 def test_no_sync_accumulates_without_communicating() -> None:
     """Inside no_sync no collective is issued; the accumulated step equals the full-batch step."""
-    run_on_ranks(_no_sync_rank, WORLD, args=(2,), timeout=TIMEOUT)
+    run_check(_no_sync_rank, WORLD, args=(2,), timeout=TIMEOUT)
 
 
 @pytest.mark.points(2)
@@ -420,19 +380,31 @@ def test_bucket_assignment(impl) -> None:
     ]
     for ps, cap, expected, what in cases:
         assert_equal(assign(ps, cap), expected, name=f"assign_buckets: {what}", section="handout 04 §4")
-    with pytest.raises(ValueError, match="bucket_size_mb"):
-        assign(params(1), 0)
-    with pytest.raises(ValueError, match="bucket_size_mb"):
-        assign(params(1), -5)
-    with pytest.raises(TypeError, match="bucket_size_mb"):
-        assign(params(1), "25")
+    for cap, error in ((0, ValueError), (-5, ValueError), ("25", TypeError)):
+        with raises(error, match="bucket_size_mb", what=f"assign_buckets(params, {cap!r})", section="handout 04 §4"):
+            assign(params(1), cap)
+
+
+def _waited_at_once(events: list[Event], grads: list[int]) -> list[tuple[int, int]]:
+    """(launch, wait) of each collective launched during backward and waited on before the next gradient.
+
+    Such a collective overlaps nothing: backward blocks in the hook until it is done. Waiting for an earlier
+    bucket later on (after more gradients were computed) is a fine design and is not reported.
+    """
+    found = []
+    for w, e in enumerate(events):
+        if e.kind == "wait" and e.target is not None:
+            later = [g for g in grads if g > e.target]
+            if later and w < later[0]:
+                found.append((e.target, w))
+    return found
 
 
 @pytest.mark.points(4)
 def test_communication_overlaps_backward() -> None:
     """The first all-reduce is launched before backward produced the last gradient; one flat async
-    all-reduce per bucket (per parameter for DDPIndividualParameters)."""
-    report = run_on_ranks(_overlap_events_rank, WORLD, timeout=TIMEOUT)[0]
+    all-reduce per bucket (per parameter for DDPIndividualParameters), not waited on at once."""
+    report = run_check(_overlap_events_rank, WORLD, timeout=TIMEOUT)[0]
     # Expected buckets for Deep with a 0.0041 MiB (4299 B) cap: a layer's bias (128 B) + weight (4096 B)
     # is 4224 B; adding the next layer's bias would make 4352 B.
     expected_names = [[f"layers.{i}.bias", f"layers.{i}.weight"] for i in reversed(range(6))]
@@ -440,31 +412,38 @@ def test_communication_overlaps_backward() -> None:
                  section="handout 04 §4")
     assert_equal(report["bucket_numels"], [32 * 32 + 32] * 6, name="DDPBucketed(Deep, 0.0041).bucket_numels",
                  section="handout 04 §4")
-    for kind, expected_numels in (("individual", None), ("bucketed", [32 * 32 + 32] * 6)):
+    fp32 = 4
+    for kind, expected_bytes in (("individual", None), ("bucketed", [fp32 * (32 * 32 + 32)] * 6)):
         events = report[kind]
-        names = [e[0] for e in events]
-        trace = ", ".join(e[1] if e[0] == "grad" else (e[0] if len(e) == 1 else f"{e[1]}({e[2]})") for e in events)
-        grads = [i for i, n in enumerate(names) if n == "grad"]
-        reduces = [i for i, e in enumerate(events) if e[0] == "collective" and e[1] == "all_reduce"]
+        trace = format_events(events)
+        grads = [i for i, e in enumerate(events) if e.kind == "mark" and e.label.startswith("grad ")]
+        returned = next(i for i, e in enumerate(events) if e.kind == "mark" and e.label == "backward returned")
+        reduces = [i for i, e in enumerate(events) if e.kind == "collective" and e.op == "all_reduce"]
         assert len(grads) == 12, f"{kind}: expected 12 gradient-ready events, got {len(grads)}; events: {trace}"
         assert reduces, f"{kind}: no dist.all_reduce during the step (handout 04 §3). Events: {trace}"
         assert reduces[0] < grads[-1], (
             f"{kind}: the first all-reduce must be launched during backward, before the last gradient "
-            f"({events[grads[-1]][1]}) is ready — that is what overlaps communication with computation "
+            f"({events[grads[-1]].label[5:]}) is ready — that is what overlaps communication with computation "
             f"(handout 04 §3–§4). Events in order: {trace}")
-        not_async = [i for i in reduces if not events[i][3]]
-        launched_during_backward = [i for i in reduces if i < names.index("backward returned")]
+        not_async = [i for i in reduces if not events[i].async_op]
+        launched_during_backward = [i for i in reduces if i < returned]
         assert not not_async and launched_during_backward, (
             f"{kind}: every all-reduce launched from a hook must pass async_op=True, or backward waits for "
             f"it (handout 04 §3). Events in order: {trace}")
-        numels = [events[i][2] for i in reduces]
-        if expected_numels is None:
-            assert_equal(sorted(numels), sorted([32 * 32, 32] * 6),
-                         name=f"{kind}: sizes of the all-reduced tensors (one per parameter)",
+        at_once = _waited_at_once(events, grads)
+        assert not at_once, (
+            f"{kind}: all-reduce #{at_once[0][0]} is waited on (event {at_once[0][1]}) before backward computed "
+            "another gradient: wait() right after launching blocks backward until the all-reduce is done, so "
+            "nothing overlaps. Keep the handle and wait in finish_gradient_synchronization (handout 04 §3). "
+            f"Events in order: {trace}")
+        nbytes = [events[i].nbytes for i in reduces]
+        if expected_bytes is None:
+            assert_equal(sorted(nbytes), sorted([fp32 * 32 * 32, fp32 * 32] * 6),
+                         name=f"{kind}: bytes of the all-reduced tensors (one per parameter)",
                          section="handout 04 §3")
         else:
-            assert_equal(numels, expected_numels,
-                         name=f"{kind}: sizes of the all-reduced tensors, in launch order (one flat buffer "
+            assert_equal(nbytes, expected_bytes,
+                         name=f"{kind}: bytes of the all-reduced tensors, in launch order (one flat buffer "
                          "per bucket, bucket 0 first)", section="handout 04 §4")
 
 
@@ -473,9 +452,14 @@ def test_failing_rank_surfaces_its_error() -> None:
     """Mismatched models fail at construction naming the parameter; an exception on one rank mid-training
     reaches the caller instead of hanging the other rank in a collective."""
     # A hang would end in RankTimeoutError after 60 s instead of the RankFailedError expected here.
-    with pytest.raises(RankFailedError, match="fc2"):
+    with raises(RankFailedError, match="fc2", section="handout 04 §1",
+                what="NaiveDDP(model) where rank 1's model has fc2 = Linear(16, 5) and rank 0's Linear(16, 4)",
+                hint="Construction must compare the replicas (verify_same_model) and raise ValueError naming the "
+                "first parameter that differs, on every rank, before any broadcast."):
         run_on_ranks(_mismatched_models_rank, WORLD, timeout=60)
-    with pytest.raises(RankFailedError, match="rank 1 lost its data loader"):
+    with raises(RankFailedError, match="rank 1 lost its data loader", section="handout 04 §7",
+                what="NaiveDDP training where rank 1 raises mid-step",
+                hint="The error must reach the caller; a rank left alone in a collective must not hang."):
         run_on_ranks(_failing_rank, WORLD, timeout=60)
 
 
@@ -499,7 +483,9 @@ def test_all_reduce_benchmark(impl) -> None:
         expected = torch.tensor(r["size_bytes"] / (r["time_ms"] / 1e3) / 1e9, dtype=torch.float64)
         assert_close(torch.tensor(r["algbw_gbps"], dtype=torch.float64), expected,
                      name=f"algbw_gbps for {r['size_bytes']} B", section="handout 04 §6", rtol=1e-6, atol=0)
-    with pytest.raises(ValueError, match="sizes_bytes"):
+    with raises(ValueError, match="sizes_bytes", what="all_reduce_benchmark([3], [2]) (3 bytes: not whole float32s)",
+                section="handout 04 §6"):
         coll.all_reduce_benchmark([3], [2])
-    with pytest.raises(ValueError, match="world_sizes"):
+    with raises(ValueError, match="world_sizes", what="all_reduce_benchmark([4096], [1]) (one rank)",
+                section="handout 04 §6"):
         coll.all_reduce_benchmark([4096], [1])

@@ -4,15 +4,13 @@ Independent references: ``torch.optim.AdamW`` on a single process (no communicat
 own ``ZeroRedundancyOptimizer`` in the same ranks, and the ZeRO paper's formulas and Table 1 worked
 out here by hand.
 
-Spawning ranks costs seconds, so each ``run_on_ranks`` call runs several checks ("sections") and the
-tests below read their parts of it. A section that raises on every rank (a ``NotImplementedError``)
-fails only the tests that read it.
+Spawning ranks costs seconds, so each spawn (``kit.checks``) runs several checks ("sections") and the
+tests below read their parts of it. A section that raises (a ``NotImplementedError`` of a stub) fails
+only the tests that read it, with that error.
 """
 
 from __future__ import annotations
 
-import traceback
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -21,9 +19,9 @@ import torch.distributed as dist
 from torch import nn
 
 import kit.impl
+from kit.checks import Failure, run_checks, spawned_checks
 from kit.model import ModelConfig, TransformerLM, cross_entropy
-from kit.spawn import run_on_ranks
-from kit.testing import assert_close, assert_equal
+from kit.testing import assert_close, assert_equal, raises
 
 pytestmark = pytest.mark.stage5
 
@@ -92,17 +90,6 @@ def reference_run(kind: str, steps: int) -> tuple[nn.Module, torch.optim.AdamW]:
 
 def snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
-
-
-def run_sections(sections: dict[str, Callable[[], Any]]) -> dict[str, tuple[str, Any]]:
-    """Run each check; keep its value or its traceback (run_on_ranks returns it to the parent by value)."""
-    out: dict[str, tuple[str, Any]] = {}
-    for name, fn in sections.items():
-        try:
-            out[name] = ("ok", fn())
-        except Exception:  # a NotImplementedError fails this section only
-            out[name] = ("error", traceback.format_exc())
-    return out
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -189,11 +176,11 @@ def checkpoint_section() -> dict[str, Any] | None:
     return {"model": model.state_dict(), "optimizer": state_dict} if dist.get_rank() == 0 else None
 
 
-def resume_section(checkpoint: dict[str, Any] | None, why_missing: str = "") -> dict[str, Any]:
+def resume_section(checkpoint: dict[str, Any] | Failure) -> dict[str, Any]:
     """Load the 2-rank checkpoint at this world size and train the remaining steps."""
-    if checkpoint is None:
-        raise RuntimeError("no checkpoint: the 2-rank run did not save one (see "
-                           f"test_state_dict_consolidated_on_rank0). It failed with:\n{why_missing}")
+    if isinstance(checkpoint, Failure):
+        checkpoint.reraise("no checkpoint to resume from: the 2-rank run saves it (see "
+                           "test_state_dict_consolidated_on_rank0)")
     impl = kit.impl.load()
     model = make_model("transformer")
     model.load_state_dict(checkpoint["model"])
@@ -206,8 +193,8 @@ def resume_section(checkpoint: dict[str, Any] | None, why_missing: str = "") -> 
     return {"params": snapshot(model), "reference": snapshot(reference), "loaded_state_names": loaded_names}
 
 
-def two_rank_checks() -> dict[str, tuple[str, Any]]:
-    return run_sections({
+def two_rank_checks() -> dict[str, tuple[bool, Any]]:
+    return run_checks({
         "toy": lambda: equivalence_section("toy"),
         "transformer": lambda: equivalence_section("transformer"),
         "balance": balance_section,
@@ -216,15 +203,15 @@ def two_rank_checks() -> dict[str, tuple[str, Any]]:
     })
 
 
-def three_rank_checks(checkpoint: dict[str, Any] | None, why_missing: str = "") -> dict[str, tuple[str, Any]]:
-    return run_sections({
+def three_rank_checks(checkpoint: dict[str, Any] | Failure) -> dict[str, tuple[bool, Any]]:
+    return run_checks({
         "transformer": lambda: equivalence_section("transformer"),
         "balance": balance_section,
-        "resume": lambda: resume_section(checkpoint, why_missing),
+        "resume": lambda: resume_section(checkpoint),
     })
 
 
-def ddp_checks() -> dict[str, tuple[str, Any]]:
+def ddp_checks() -> dict[str, tuple[bool, Any]]:
     """Stage 4's DDP averages the gradients of each rank's half of the batch; ZeRO shards the state."""
 
     def train_ddp(cls_name: str, kwargs: dict[str, Any], sharded: bool) -> tuple[nn.Module, Any]:
@@ -253,52 +240,21 @@ def ddp_checks() -> dict[str, tuple[str, Any]]:
         return {"params": snapshot(model), "ddp_adamw": snapshot(ddp_adamw), "reference": snapshot(reference),
                 "state_names": sorted(names[p] for p in optimizer.state)}
 
-    return run_sections({
+    return run_checks({
         "bucketed": lambda: run("DDPBucketed", {"bucket_size_mb": 0.01}),  # several buckets
         "individual": lambda: run("DDPIndividualParameters", {}),
     })
 
 
 # ----------------------------------------------------------------------------------------------------
-# Running the spawns once per test session, and reading their sections
+# The spawns: module-scoped fixtures, each run once, on first use
 # ----------------------------------------------------------------------------------------------------
 
-_RUNS: dict[str, Any] = {}
-
-
-def _spawn(key: str, fn: Callable[..., dict], world_size: int, args: tuple = ()) -> list[dict[str, Any]]:
-    """Run ``fn`` on ``world_size`` gloo ranks once; later calls reuse the result (or the error)."""
-    if key not in _RUNS:
-        try:
-            raw = run_on_ranks(fn, world_size, args=args, timeout=TIMEOUT, backend="gloo")
-            _RUNS[key] = raw
-        except Exception as exc:  # a crash or a hang: every test of this spawn reports it
-            _RUNS[key] = exc
-    if isinstance(_RUNS[key], Exception):
-        raise _RUNS[key]
-    return _RUNS[key]
-
-
-def two_ranks() -> list[dict[str, Any]]:
-    return _spawn("two", two_rank_checks, 2)
-
-
-def three_ranks() -> list[dict[str, Any]]:
-    try:
-        saved, why = section(two_ranks(), "checkpoint")[0], ""
-    except Exception as exc:
-        # resume_section explains, quoting the cause (e.g. NotImplementedError); the other checks still run.
-        saved, why = None, str(exc)[-2000:]
-    return _spawn("three", three_rank_checks, 3, args=(saved, why))
-
-
-def section(results: list[dict[str, Any]], name: str) -> list[Any]:
-    """The value of section ``name`` on each rank; the first rank's traceback if it raised."""
-    for rank, result in enumerate(results):
-        status, value = result[name]
-        if status == "error":
-            raise AssertionError(f"rank {rank} raised in the '{name}' check:\n{value}")
-    return [result[name][1] for result in results]
+two_ranks = spawned_checks(two_rank_checks, 2, timeout=TIMEOUT)
+# The 3-rank run resumes from the 2-rank run's checkpoint (rank 0's), or explains why it could not.
+three_ranks = spawned_checks(three_rank_checks, 3, timeout=TIMEOUT,
+                             args=lambda two_ranks: (two_ranks.value_or_failure("checkpoint", rank=0),))
+ddp_ranks = spawned_checks(ddp_checks, 2, timeout=TIMEOUT)
 
 
 def assert_params_equal(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], what: str,
@@ -341,7 +297,8 @@ def test_partition_by_size(impl) -> None:
         )
     for bad in ({"numels": [1], "world_size": 0}, {"numels": [-1], "world_size": 2},
                 {"numels": [1], "world_size": 2, "loads": [0]}):
-        with pytest.raises(ValueError):
+        with raises(ValueError, what=f"partition_by_size({', '.join(f'{k}={v}' for k, v in bad.items())})",
+                    section="handout 05 §2"):
             partition(**bad)
 
 
@@ -415,7 +372,8 @@ def test_memory_accounting_formulas_and_communication(impl) -> None:
     for bad in ({"stage": 4}, {"world_size": 0}, {"num_params": 0}, {"param_bytes": -2}):
         args = {"num_params": psi, "world_size": n, "stage": 1, "param_bytes": 2, "grad_bytes": 2,
                 "optimizer_bytes_per_param": 12, **bad}
-        with pytest.raises(ValueError, match=next(iter(bad))):
+        with raises(ValueError, match=next(iter(bad)), what=f"zero_memory_accounting with {bad}",
+                    section="handout 05 §5"):
             account(args.pop("num_params"), args.pop("world_size"), args.pop("stage"), **args)
 
 
@@ -428,16 +386,18 @@ def test_memory_accounting_formulas_and_communication(impl) -> None:
 def test_bad_inputs_raise_clear_errors(impl) -> None:
     ShardedOptimizer = impl.zero.ShardedOptimizer
     model = make_model("toy")
-    with pytest.raises(TypeError, match="optimizer_cls"):
+    s = "handout 05 §2"
+    with raises(TypeError, match="optimizer_cls", what="ShardedOptimizer(params, nn.Linear)", section=s):
         ShardedOptimizer(model.parameters(), nn.Linear, lr=1e-3)  # not an optimizer
-    with pytest.raises(TypeError, match="optimizer_cls"):
+    with raises(TypeError, match="optimizer_cls", what="ShardedOptimizer(params, AdamW(...)) (an instance, not "
+                "the class)", section=s):
         ShardedOptimizer(model.parameters(), torch.optim.AdamW(model.parameters()), lr=1e-3)  # an instance
-    with pytest.raises(ValueError, match="params"):
+    with raises(ValueError, match="params", what="ShardedOptimizer([], AdamW) (no parameters)", section=s):
         ShardedOptimizer([], torch.optim.AdamW, lr=1e-3)
     weight = model[0].weight
-    with pytest.raises(ValueError, match="twice"):
+    with raises(ValueError, match="twice", what="ShardedOptimizer([w, b, w], AdamW) (a parameter twice)", section=s):
         ShardedOptimizer([weight, model[0].bias, weight], torch.optim.AdamW, lr=1e-3)
-    with pytest.raises(ValueError, match="twice"):
+    with raises(ValueError, match="twice", what="ShardedOptimizer with the same parameter in two groups", section=s):
         ShardedOptimizer([{"params": [weight]}, {"params": [weight], "lr": 1.0}], torch.optim.AdamW, lr=1e-3)
 
 
@@ -447,28 +407,28 @@ def test_bad_inputs_raise_clear_errors(impl) -> None:
 
 
 @pytest.mark.points(3)
-def test_toy_model_matches_single_process_adamw() -> None:
-    for rank, result in enumerate(section(two_ranks(), "toy")):
+def test_toy_model_matches_single_process_adamw(two_ranks) -> None:
+    for rank, result in enumerate(two_ranks.values("toy")):
         assert_params_equal(result["params"], result["reference"], f"rank {rank} of 2, toy model after {STEPS} "
                             "AdamW steps vs single-process AdamW", "handout 05 §3")
         assert result["grads_cleared"], "zero_grad() must clear the gradients of every parameter, owned or not"
 
 
 @pytest.mark.points(3)
-def test_transformer_matches_single_process_adamw() -> None:
-    for world_size, results in ((2, two_ranks()), (3, three_ranks())):
-        for rank, result in enumerate(section(results, "transformer")):
+def test_transformer_matches_single_process_adamw(two_ranks, three_ranks) -> None:
+    for world_size, results in ((2, two_ranks), (3, three_ranks)):
+        for rank, result in enumerate(results.values("transformer")):
             assert_params_equal(result["params"], result["reference"], f"rank {rank} of {world_size}, Transformer "
                                 f"after {STEPS} AdamW steps vs single-process AdamW", "handout 05 §3")
 
 
 @pytest.mark.points(3)
-def test_state_only_for_owned_parameters() -> None:
-    for world_size, results in ((2, two_ranks()), (3, three_ranks())):
+def test_state_only_for_owned_parameters(two_ranks, three_ranks) -> None:
+    for world_size, results in ((2, two_ranks), (3, three_ranks)):
         for kind in ("transformer", "balance"):
-            per_rank = [set(r["state_names"]) for r in section(results, kind)]
-            trainable = (set(section(results, kind)[0]["trainable"]) if kind == "transformer"
-                         else set(section(results, kind)[0]["numel"]))
+            per_rank = [set(r["state_names"]) for r in results.values(kind)]
+            trainable = (set(results.values(kind)[0]["trainable"]) if kind == "transformer"
+                         else set(results.values(kind)[0]["numel"]))
             for a in range(world_size):
                 for b in range(a + 1, world_size):
                     both = per_rank[a] & per_rank[b]
@@ -477,7 +437,7 @@ def test_state_only_for_owned_parameters() -> None:
             union = set().union(*per_rank)
             assert_equal(sorted(union), sorted(trainable), name=f"{kind} at {world_size} ranks: parameters with "
                          "optimizer state on some rank (all trainable ones, nothing else)", section="handout 05 §2")
-        numel = section(results, "balance")[0]["numel"]
+        numel = results.values("balance")[0]["numel"]
         loads = [sum(numel[n] for n in names) for names in per_rank]
         assert max(loads) - min(loads) <= max(numel.values()), (
             f"elements per rank {loads} at {world_size} ranks differ by more than the largest parameter "
@@ -486,15 +446,15 @@ def test_state_only_for_owned_parameters() -> None:
         matrices, vectors = param_groups(make_model("transformer"))
         expected_groups = [(len(matrices["params"]), ADAMW["lr"], ADAMW["weight_decay"]),
                            (len(vectors["params"]), 3e-2, 0.0)]
-        for rank, result in enumerate(section(results, "transformer")):
+        for rank, result in enumerate(results.values("transformer")):
             assert_equal(result["groups"], expected_groups, name=f"rank {rank} of {world_size}: (number of "
                          "parameters, lr, weight_decay) of each param group — all parameters, not just the "
                          "owned ones", section="handout 05 §2")
 
 
 @pytest.mark.points(2)
-def test_add_param_group_after_steps() -> None:
-    for rank, result in enumerate(section(two_ranks(), "add_group")):
+def test_add_param_group_after_steps(two_ranks) -> None:
+    for rank, result in enumerate(two_ranks.values("add_group")):
         assert_params_equal(result["params"], result["reference"], f"rank {rank}: toy model, second group added "
                             "after 3 steps, vs AdamW doing the same", "handout 05 §2")
         n_matrices = len(param_groups(make_model("toy"))[0]["params"])
@@ -507,8 +467,9 @@ def test_add_param_group_after_steps() -> None:
 
 
 @pytest.mark.points(2)
-def test_state_dict_consolidated_on_rank0() -> None:
-    results = section(two_ranks(), "transformer")
+def test_state_dict_consolidated_on_rank0(two_ranks) -> None:
+    two_ranks.values("checkpoint")  # raises if the checkpoint section failed (e.g. a rank other than 0 returned one)
+    results = two_ranks.values("transformer")
     assert results[1]["state_dict"] is None, "state_dict() returns None on ranks other than 0. See handout 05 §4."
     got, expected = results[0]["state_dict"], results[0]["reference_state_dict"]
     assert got is not None, "state_dict() on rank 0 returned None: consolidate the shards there. See handout 05 §4."
@@ -527,11 +488,11 @@ def test_state_dict_consolidated_on_rank0() -> None:
 
 
 @pytest.mark.points(3)
-def test_resume_at_three_ranks_from_two() -> None:
-    for rank, result in enumerate(section(three_ranks(), "resume")):
+def test_resume_at_three_ranks_from_two(three_ranks) -> None:
+    for rank, result in enumerate(three_ranks.values("resume")):
         assert_params_equal(result["params"], result["reference"], f"rank {rank} of 3: saved at step {SAVE_AT} "
                             f"with 2 ranks, resumed to step {STEPS}, vs AdamW for {STEPS} steps", "handout 05 §4")
-    loaded = [set(r["loaded_state_names"]) for r in section(three_ranks(), "resume")]
+    loaded = [set(r["loaded_state_names"]) for r in three_ranks.values("resume")]
     assert all(not (loaded[a] & loaded[b]) for a in range(3) for b in range(a + 1, 3)), (
         "after load_state_dict two ranks hold state for the same parameter: keep only the owned ones. "
         "See handout 05 §4."
@@ -539,21 +500,20 @@ def test_resume_at_three_ranks_from_two() -> None:
 
 
 @pytest.mark.points(2)
-def test_matches_torch_zero_redundancy_optimizer() -> None:
-    for world_size, results in ((2, two_ranks()), (3, three_ranks())):
-        for rank, result in enumerate(section(results, "transformer")):
+def test_matches_torch_zero_redundancy_optimizer(two_ranks, three_ranks) -> None:
+    for world_size, results in ((2, two_ranks), (3, three_ranks)):
+        for rank, result in enumerate(results.values("transformer")):
             assert_params_equal(result["params"], result["torch_zero"], f"rank {rank} of {world_size}: "
                                 "ShardedOptimizer vs torch ZeroRedundancyOptimizer", "handout 05 §3")
-    for rank, result in enumerate(section(two_ranks(), "toy")):
+    for rank, result in enumerate(two_ranks.values("toy")):
         assert_params_equal(result["params"], result["torch_zero"], f"rank {rank} of 2, toy model: "
                             "ShardedOptimizer vs torch ZeroRedundancyOptimizer", "handout 05 §3")
 
 
 @pytest.mark.points(3)
-def test_combined_with_ddp() -> None:
-    results = _spawn("ddp", ddp_checks, 2)
+def test_combined_with_ddp(ddp_ranks) -> None:
     for cls in ("bucketed", "individual"):
-        per_rank = section(results, cls)
+        per_rank = ddp_ranks.values(cls)
         for rank, result in enumerate(per_rank):
             assert_params_equal(result["params"], result["ddp_adamw"], f"rank {rank} of 2, DDP ({cls}) + "
                                 "ShardedOptimizer vs the same DDP + unsharded AdamW", "handout 05 §3")

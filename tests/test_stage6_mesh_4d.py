@@ -1,22 +1,20 @@
 """Stage 6 — the 4D mesh, composed training on 8 ranks, and communication counted during a real step.
 
-One 8-rank spawn builds the two documented meshes, trains the tiny MoE Transformer on
-dp2 × tp2 × pp2 and on tp2 × pp2 × ep2, and counts — with a dispatch mode that sees every c10d
-collective, whoever calls it — the bytes each collective receives during one step. Each test reads its
-own part of the results. The single-process reference (same seed, same init, same global batch, same
-routing groups) runs here, in the test process.
+One 8-rank spawn (``kit.checks``) builds the two documented meshes, trains the tiny MoE Transformer on
+dp2 × tp2 × pp2 and on tp2 × pp2 × ep2, and counts — with ``kit.comm_log.CommLog``, a dispatch mode that
+sees every c10d collective, whoever calls it — the bytes each collective receives during one step. Each
+test reads its own part of the results. The single-process reference (same seed, same init, same global
+batch, same routing groups) runs here, in the test process.
 """
 
 from __future__ import annotations
 
-import traceback
-
 import pytest
 import torch
 
+from kit.checks import run_checks, spawned_checks
 from kit.model import cross_entropy, make_optimizer
-from kit.spawn import run_on_ranks
-from kit.testing import assert_close, assert_equal
+from kit.testing import assert_close, assert_equal, raises
 
 pytestmark = pytest.mark.stage6
 
@@ -25,44 +23,6 @@ COMMON = dict(global_batch_size=8, micro_batch_size=2, grad_accum_steps=2, steps
 TRAIN = {"dp2_tp2_pp2": dict(dp=2, tp=2, pp=2, ep=1, **COMMON),
          "tp2_pp2_ep2": dict(dp=1, tp=2, pp=2, ep=2, **COMMON)}
 COUNTED_STEP = 1  # the step whose collectives are counted (not the first: nothing special may happen there)
-
-C10D = {"allreduce_": "all_reduce", "allgather_": "all_gather", "allgather_into_tensor_coalesced_": "all_gather",
-        "_allgather_base_": "all_gather", "reduce_scatter_": "reduce_scatter",
-        "_reduce_scatter_base_": "reduce_scatter", "reduce_scatter_tensor_coalesced_": "reduce_scatter",
-        "alltoall_base_": "all_to_all", "alltoall_": "all_to_all", "broadcast_": "broadcast", "send": "send",
-        "recv_": "recv", "recv_any_source_": "recv"}
-
-
-def _comm_counter():
-    """A TorchDispatchMode that adds up, per collective, the bytes of the tensors this rank hands to it.
-
-    Every c10d collective goes through the dispatcher as ``torch.ops.c10d.<name>``, including those called
-    from autograd's backward, so nothing is missed and the implementation needs no cooperation. Groups of
-    one rank move nothing and are skipped.
-    """
-    import torch.distributed as dist
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class CommCounter(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.bytes: dict[str, int] = {}
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            kwargs = kwargs or {}
-            if func.namespace == "c10d":
-                name = func._opname if hasattr(func, "_opname") else str(func).split(".")[1]
-                groups = [a for a in args if type(a).__name__ == "ScriptObject"]
-                size = dist.ProcessGroup.unbox(groups[0]).size() if groups else 2
-                if name in C10D and size > 1:
-                    payload = args[1] if name == "alltoall_base_" else args[0]
-                    tensors = payload if isinstance(payload, (list, tuple)) else [payload]
-                    flat = [t for item in tensors for t in (item if isinstance(item, (list, tuple)) else [item])]
-                    kind = C10D[name]
-                    self.bytes[kind] = self.bytes.get(kind, 0) + sum(t.numel() * t.element_size() for t in flat)
-            return func(*args, **kwargs)
-
-    return CommCounter()
 
 
 def _mesh_check(mesh_mod, degrees) -> dict:
@@ -78,50 +38,29 @@ def _mesh_check(mesh_mod, degrees) -> dict:
 def _train_check(impl, kwargs) -> dict:
     import contextlib
 
+    from kit.comm_log import CommLog
+
     t4 = impl.parallel.train_4d
     cfg = t4.Train4DConfig(**kwargs)
-    counter = _comm_counter()
-    out = t4.train(cfg, step_callback=lambda step: counter if step == COUNTED_STEP else contextlib.nullcontext())
-    return {"losses": out["losses"], "params": out["params"], "coords": dict(out["coords"]), "comm": counter.bytes}
-
-
-def _check(results: dict, name: str, fn) -> None:
-    try:
-        results[name] = ("ok", fn())
-    except Exception:
-        results[name] = ("error", traceback.format_exc())
+    log = CommLog()
+    out = t4.train(cfg, step_callback=lambda step: log if step == COUNTED_STEP else contextlib.nullcontext())
+    # Payload bytes per collective; a one-rank group moves nothing and is left out.
+    return {"losses": out["losses"], "params": out["params"], "coords": dict(out["coords"]),
+            "comm": log.bytes_by_op()}
 
 
 def _mesh_rank_fn() -> dict:
     import kit.impl
 
     impl = kit.impl.load()
-    results: dict = {}
-    for name, degrees in LAYOUTS.items():
-        _check(results, f"mesh_{name}", lambda degrees=degrees: _mesh_check(impl.parallel.mesh, degrees))
-    for name, kwargs in TRAIN.items():
-        _check(results, f"train_{name}", lambda kwargs=kwargs: _train_check(impl, kwargs))
-    return results
+    checks = {f"mesh_{name}": lambda degrees=degrees: _mesh_check(impl.parallel.mesh, degrees)
+              for name, degrees in LAYOUTS.items()}
+    checks.update({f"train_{name}": lambda kwargs=kwargs: _train_check(impl, kwargs) for name, kwargs in TRAIN.items()})
+    return run_checks(checks)
 
 
-@pytest.fixture(scope="module")
-def ranks8() -> dict:
-    try:
-        ranks = run_on_ranks(_mesh_rank_fn, 8, timeout=110)
-    except Exception as exc:
-        return {"__spawn__": exc}
-    return {name: [r[name] for r in ranks] for name in ranks[0]}
-
-
-def _values(results: dict, name: str) -> list:
-    if "__spawn__" in results:
-        raise results["__spawn__"]
-    for rank, (status, value) in enumerate(results[name]):
-        if status == "error":
-            if "NotImplementedError" in value:
-                raise NotImplementedError(f"rank {rank}, check {name!r}:\n{value}")
-            raise AssertionError(f"rank {rank} failed in check {name!r}:\n{value}")
-    return [value for _, value in results[name]]
+# Eight ranks start slowly on a loaded 2-core machine (91 s measured at load average 17): room to spare.
+ranks8 = spawned_checks(_mesh_rank_fn, 8, timeout=180)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -147,7 +86,7 @@ def _documented_layout(dp: int, tp: int, pp: int, ep: int, rank: int) -> dict:
 def test_mesh_layout(ranks8, layout):
     degrees = LAYOUTS[layout]
     s = "handout 06 §1"
-    for rank, v in enumerate(_values(ranks8, f"mesh_{layout}")):
+    for rank, v in enumerate(ranks8.values(f"mesh_{layout}")):
         expected = _documented_layout(**degrees, rank=rank)
         assert_equal(v["names"], ["pp", "dp", "ep", "tp"], name="mesh dimension names (outermost first)", section=s)
         assert_equal(v["coordinate"], expected["coordinate"], name=f"{layout}: rank {rank}'s (pp, dp, ep, tp)",
@@ -224,7 +163,7 @@ def _expected_shard(full: torch.Tensor, name: str, coords: dict, kwargs: dict) -
 @pytest.mark.points(5)
 @pytest.mark.parametrize("run", list(TRAIN))
 def test_4d_training_matches_single_process(ranks8, impl, run):
-    ranks = _values(ranks8, f"train_{run}")
+    ranks = ranks8.values(f"train_{run}")
     kwargs = TRAIN[run]
     losses, params = _single_process(impl, kwargs)
     s = "handout 06 §5"
@@ -251,7 +190,8 @@ def test_batch_config_and_microbatches(impl):
     from kit.data import random_batch
 
     t4 = impl.parallel.train_4d
-    with pytest.raises(ValueError, match="global_batch_size"):
+    with raises(ValueError, match="global_batch_size", section="handout 06 §5.2",
+                what="Train4DConfig(dp=2, ep=2, global_batch_size=8, micro_batch_size=2, grad_accum_steps=2)"):
         t4.Train4DConfig(dp=2, tp=1, pp=1, ep=2, global_batch_size=8, micro_batch_size=2, grad_accum_steps=2)
     cfg = t4.Train4DConfig(dp=2, tp=1, pp=1, ep=2, global_batch_size=24, micro_batch_size=3, grad_accum_steps=2,
                            seq_len=8)
@@ -274,7 +214,7 @@ def test_batch_config_and_microbatches(impl):
 @pytest.mark.points(4)
 @pytest.mark.parametrize("run", list(TRAIN))
 def test_comm_volume_matches_accounting(ranks8, impl, run):
-    ranks = _values(ranks8, f"train_{run}")
+    ranks = ranks8.values(f"train_{run}")
     acc = impl.parallel.accounting
     cfg = impl.parallel.train_4d.Train4DConfig(**TRAIN[run])
     for rank, v in enumerate(ranks):

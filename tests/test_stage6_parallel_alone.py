@@ -1,20 +1,18 @@
 """Stage 6 — each parallelism alone equals its single-process counterpart (handout/06-4d-parallelism.md).
 
-One 2-rank spawn runs every distributed check (tensor, pipeline and expert parallelism, bad input) and
-returns per-check results; each test below reads its own check, so a failure names the piece that is
-wrong. The single-process references are computed here, in the test process, with torch's own autograd.
+One 2-rank spawn (``kit.checks``) runs every distributed check (tensor, pipeline and expert parallelism,
+bad input); each test below reads its own check, so a failure names the piece that is wrong. The
+single-process references are computed here, in the test process, with torch's own autograd.
 """
 
 from __future__ import annotations
 
-import traceback
-
 import pytest
 import torch
 
+from kit.checks import run_checks, spawned_checks
 from kit.model import ModelConfig, TransformerLM, cross_entropy
-from kit.spawn import run_on_ranks
-from kit.testing import assert_close, assert_equal
+from kit.testing import assert_close, assert_equal, raises
 
 pytestmark = pytest.mark.stage6
 
@@ -59,14 +57,6 @@ def _make_moe(impl, seed: int = 3):
 # ------------------------------------------------------------------------------------------------
 # What each rank runs
 # ------------------------------------------------------------------------------------------------
-
-
-def _check(results: dict, name: str, fn) -> None:
-    """Run one check; record its value or the traceback, so one broken piece does not hide the others."""
-    try:
-        results[name] = ("ok", fn())
-    except Exception:
-        results[name] = ("error", traceback.format_exc())
 
 
 def _tp_ops_check(tp):
@@ -183,40 +173,20 @@ def _alone_rank_fn() -> dict:
     import kit.impl
 
     impl = kit.impl.load()
-    results: dict = {}
-    _check(results, "tp_ops", lambda: _tp_ops_check(impl.parallel.tensor_parallel))
-    _check(results, "tp_linear", lambda: _tp_linear_check(impl.parallel.tensor_parallel))
-    _check(results, "tp_block", lambda: _tp_block_check(impl.parallel.tensor_parallel))
-    _check(results, "gpipe", lambda: _pipeline_check(impl.parallel.pipeline_parallel, "gpipe"))
-    _check(results, "1f1b", lambda: _pipeline_check(impl.parallel.pipeline_parallel, "1f1b"))
-    _check(results, "act_one_mb", lambda: _activation_bytes_one_microbatch(impl.parallel.pipeline_parallel))
-    _check(results, "moe_ep", lambda: _moe_check(impl))
-    _check(results, "bad_input", lambda: _bad_input_check(impl))
-    # Pickled here, by value: tensors sent through the result queue as they are would travel as shared
-    # memory handles that vanish when this rank exits.
-    return results
+    return run_checks({
+        "tp_ops": lambda: _tp_ops_check(impl.parallel.tensor_parallel),
+        "tp_linear": lambda: _tp_linear_check(impl.parallel.tensor_parallel),
+        "tp_block": lambda: _tp_block_check(impl.parallel.tensor_parallel),
+        "gpipe": lambda: _pipeline_check(impl.parallel.pipeline_parallel, "gpipe"),
+        "1f1b": lambda: _pipeline_check(impl.parallel.pipeline_parallel, "1f1b"),
+        "act_one_mb": lambda: _activation_bytes_one_microbatch(impl.parallel.pipeline_parallel),
+        "moe_ep": lambda: _moe_check(impl),
+        "bad_input": lambda: _bad_input_check(impl),
+    })
 
 
-@pytest.fixture(scope="module")
-def alone() -> dict:
-    """Per check: a list of the two ranks' values, or an exception to re-raise in that check's test."""
-    try:
-        ranks = run_on_ranks(_alone_rank_fn, 2, timeout=90)
-    except Exception as exc:  # a hang or crash of the whole spawn: every test reports it
-        return {"__spawn__": exc}
-    return {name: [r[name] for r in ranks] for name in ranks[0]}
-
-
-def _values(alone: dict, name: str) -> list:
-    """The ranks' values for one check, or the first rank's error re-raised (NotImplementedError stays one)."""
-    if "__spawn__" in alone:
-        raise alone["__spawn__"]
-    for rank, (status, value) in enumerate(alone[name]):
-        if status == "error":
-            if "NotImplementedError" in value:
-                raise NotImplementedError(f"rank {rank}, check {name!r}:\n{value}")
-            raise AssertionError(f"rank {rank} failed in check {name!r}:\n{value}")
-    return [value for _, value in alone[name]]
+# Per check, the two ranks' values, or the check's failure re-raised in the test that reads it.
+alone = spawned_checks(_alone_rank_fn, 2, timeout=90)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -226,7 +196,7 @@ def _values(alone: dict, name: str) -> list:
 
 @pytest.mark.points(2)
 def test_f_and_g_operators(alone):
-    ranks = _values(alone, "tp_ops")
+    ranks = alone.values("tp_ops")
     x = torch.arange(6.0)
     for r, v in enumerate(ranks):
         assert_close(v["f_forward"], x, name=f"rank {r}: f forward (identity)", section="handout 06 §2.1")
@@ -239,7 +209,7 @@ def test_f_and_g_operators(alone):
 
 @pytest.mark.points(3)
 def test_column_and_row_parallel_linear(alone):
-    ranks = _values(alone, "tp_linear")
+    ranks = alone.values("tp_linear")
     g = torch.Generator().manual_seed(7)
     a, b = torch.randn(8, 6, generator=g).double(), torch.randn(6, 8, generator=g).double()
     x, up = torch.randn(2, 3, 6, generator=g).double(), torch.randn(2, 3, 8, generator=g).double()
@@ -267,7 +237,7 @@ TP_SHARD_DIM = {"attn.q_proj.weight": 0, "attn.k_proj.weight": 0, "attn.v_proj.w
 
 @pytest.mark.points(4)
 def test_parallelized_block_matches_single_process(alone):
-    ranks = _values(alone, "tp_block")
+    ranks = alone.values("tp_block")
     block, x, grad_out = _block_and_input()
     x = x.requires_grad_()
     y = block(x)
@@ -302,7 +272,7 @@ def _sequential_reference():
 @pytest.mark.points(3)
 @pytest.mark.parametrize("kind", ["gpipe", "1f1b"])
 def test_pipeline_schedule_matches_sequential(alone, kind):
-    ranks = _values(alone, kind)
+    ranks = alone.values(kind)
     loss, grads = _sequential_reference()
     s = "handout 06 §3.2" if kind == "gpipe" else "handout 06 §3.3"
     seen = set()
@@ -320,7 +290,7 @@ def test_pipeline_schedule_matches_sequential(alone, kind):
 
 @pytest.mark.points(3)
 def test_one_f_one_b_keeps_at_most_p_microbatches(alone):
-    gpipe, ofob, one = (_values(alone, k) for k in ("gpipe", "1f1b", "act_one_mb"))
+    gpipe, ofob, one = (alone.values(k) for k in ("gpipe", "1f1b", "act_one_mb"))
     p, s = 2, "handout 06 §3.3"
     for r in range(p):
         assert_equal(gpipe[r]["in_flight"], M, name=f"GPipe stage {r}: micro-batches alive at once", section=s)
@@ -384,7 +354,7 @@ def test_bubble_fraction_matches_simulated_schedule(impl):
             idle = 1 - sum(e[3] - e[2] for e in timeline[0]) / end
             assert abs(idle - expected) < 1e-9, (
                 f"{kind} p={p} m={m}: simulated idle fraction {idle:.4f} ≠ {expected:.4f}")
-    with pytest.raises(ValueError, match="m"):
+    with raises(ValueError, match="m", what="bubble_fraction(2, 0)", section="handout 06 §3.2"):
         pp.bubble_fraction(2, 0)
 
 
@@ -431,7 +401,7 @@ def test_moe_matches_naive_loop(impl):
         assert_close(y, ref, name=f"input {rank}: MoE output", section=s, rtol=1e-5, atol=1e-5)
         assert_close(moe.aux_loss, torch.as_tensor(aux), name=f"input {rank}: load-balancing loss", section=s,
                      rtol=1e-5, atol=1e-6)
-    with pytest.raises(ValueError, match="top_k"):
+    with raises(ValueError, match="top_k", what="MoEFeedForward(8, 8, num_experts=2, top_k=3)", section=s):
         impl.parallel.expert_parallel.MoEFeedForward(8, 8, 2, top_k=3)
     assert_equal(impl.parallel.expert_parallel.expert_capacity(10, 4, 2, 1.25), 7,
                  name="expert_capacity(10 tokens, 4 experts, top-2, factor 1.25) = ceil(6.25)", section=s)
@@ -439,7 +409,7 @@ def test_moe_matches_naive_loop(impl):
 
 @pytest.mark.points(4)
 def test_expert_parallel_moe_matches_single_process(alone, impl):
-    ranks = _values(alone, "moe_ep")
+    ranks = alone.values("moe_ep")
     s = "handout 06 §4.2"
     local = MOE["num_experts"] // 2
     # One process, one MoE with all experts, each rank's tokens routed as their own group. An expert's
@@ -470,7 +440,7 @@ def test_expert_parallel_moe_matches_single_process(alone, impl):
 
 @pytest.mark.points(1)
 def test_bad_input_is_rejected(alone):
-    (v, _) = _values(alone, "bad_input")
+    (v, _) = alone.values("bad_input")
     for case, kind in (("heads_not_divisible", "ValueError"), ("d_ff_not_divisible", "ValueError"),
                        ("experts_not_divisible", "ValueError"), ("mesh_wrong_product", "ValueError"),
                        ("mesh_zero_axis", "ValueError")):

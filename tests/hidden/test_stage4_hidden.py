@@ -10,8 +10,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import kit.impl
+from kit.checks import run_check
 from kit.model import ModelConfig, TransformerLM
-from kit.spawn import run_on_ranks
 from kit.testing import assert_close
 
 pytestmark = [pytest.mark.stage4, pytest.mark.hidden]
@@ -103,9 +103,9 @@ def _torch_ddp_rank() -> None:
 
 @pytest.mark.points(2)
 def test_process_group_is_respected() -> None:
-    run_on_ranks(_subgroup_rank, WORLD, timeout=120)
+    run_check(_subgroup_rank, WORLD, timeout=120)
 
 
 @pytest.mark.points(2)
 def test_matches_torch_ddp_with_accumulation() -> None:
-    run_on_ranks(_torch_ddp_rank, WORLD, timeout=120)
+    run_check(_torch_ddp_rank, WORLD, timeout=120)

@@ -3,7 +3,6 @@ optimizer class, a closure, and a rank that owns nothing."""
 
 from __future__ import annotations
 
-import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -13,8 +12,8 @@ import torch.distributed as dist
 from torch import nn
 
 import kit.impl
+from kit.checks import run_checks, spawned_checks
 from kit.model import ModelConfig, TransformerLM, cross_entropy
-from kit.spawn import run_on_ranks
 from kit.testing import assert_close, assert_equal
 
 pytestmark = [pytest.mark.stage5, pytest.mark.hidden]
@@ -92,35 +91,15 @@ def _sgd_section() -> dict[str, Any]:
 
 def _hidden_checks() -> dict:
     group = dist.new_group(GROUP)  # every rank calls new_group, members or not
-    out = {}
-    for name, fn in {"subgroup": lambda: _subgroup_section(group), "sgd": _sgd_section}.items():
-        try:
-            out[name] = ("ok", fn())
-        except Exception:
-            out[name] = ("error", traceback.format_exc())
-    return out
+    return run_checks({"subgroup": lambda: _subgroup_section(group), "sgd": _sgd_section})
 
 
-_RESULT: dict[str, Any] = {}
-
-
-def _results(name: str) -> list[Any]:
-    if "run" not in _RESULT:
-        try:
-            _RESULT["run"] = run_on_ranks(_hidden_checks, 3, timeout=240, backend="gloo")
-        except Exception as exc:
-            _RESULT["run"] = exc
-    if isinstance(_RESULT["run"], Exception):
-        raise _RESULT["run"]
-    for rank, result in enumerate(_RESULT["run"]):
-        if result[name][0] == "error":
-            raise AssertionError(f"rank {rank} raised in the '{name}' check:\n{result[name][1]}")
-    return [result[name][1] for result in _RESULT["run"]]
+hidden_ranks = spawned_checks(_hidden_checks, 3, timeout=240)
 
 
 @pytest.mark.points(2)
-def test_hidden_subgroup_with_lr_scheduler() -> None:
-    results = _results("subgroup")
+def test_hidden_subgroup_with_lr_scheduler(hidden_ranks) -> None:
+    results = hidden_ranks.values("subgroup")
     for rank in GROUP:
         r = results[rank]
         for name, expected in r["reference"].items():
@@ -142,8 +121,8 @@ def test_hidden_subgroup_with_lr_scheduler() -> None:
 
 
 @pytest.mark.points(2)
-def test_hidden_sgd_closure_and_a_rank_without_parameters() -> None:
-    results = _results("sgd")
+def test_hidden_sgd_closure_and_a_rank_without_parameters(hidden_ranks) -> None:
+    results = hidden_ranks.values("sgd")
     for rank, r in enumerate(results):
         for i, (got, expected) in enumerate(zip(r["params"], r["reference"])):
             assert_close(got, expected, name=f"rank {rank}: parameter {i} after 5 SGD (Nesterov) steps",

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import traceback
-
 import pytest
 import torch
 
+from kit.checks import run_checks, spawned_checks
 from kit.model import ModelConfig, TransformerLM, cross_entropy
-from kit.spawn import run_on_ranks
 from kit.testing import assert_close, assert_equal
 
 pytestmark = [pytest.mark.stage6, pytest.mark.hidden]
@@ -34,55 +32,41 @@ def _x(rank: int) -> torch.Tensor:
     return torch.randn(5, MOE["d_model"], generator=torch.Generator().manual_seed(20 + rank))
 
 
-def _rank_fn() -> dict:
+def _pipeline_one_microbatch(impl) -> dict:
+    """One micro-batch through two stages: fewer micro-batches than stages must not hang."""
     import torch.distributed as dist
 
+    pp = impl.parallel.pipeline_parallel
+    model, batches = _model_and_batch()
+    stage = pp.PipelineStage(model, dist.get_rank(), 2)
+    res = pp.one_f_one_b(stage, batches, group=None, activation_shape=(3, 6, CFG.d_model))
+    return {"loss": res.loss, "grads": {n: p.grad.clone() for n, p in stage.named_parameters()}}
+
+
+def _dropless_moe(impl) -> dict:
+    """Dropless top-1 routing, three experts per rank."""
+    import torch.distributed as dist
+
+    moe = impl.parallel.expert_parallel.parallelize_moe(_moe(impl), None)
+    x = _x(dist.get_rank()).requires_grad_()
+    y = moe(x)
+    y.pow(2).sum().backward()
+    return {"y": y.detach(), "dropped": moe.dropped_tokens, "x_grad": x.grad}
+
+
+def _rank_fn() -> dict:
     import kit.impl
 
     impl = kit.impl.load()
-    out: dict = {}
-    try:  # one micro-batch through two stages: fewer micro-batches than stages must not hang
-        pp = impl.parallel.pipeline_parallel
-        model, batches = _model_and_batch()
-        stage = pp.PipelineStage(model, dist.get_rank(), 2)
-        res = pp.one_f_one_b(stage, batches, group=None, activation_shape=(3, 6, CFG.d_model))
-        out["pipe"] = ("ok", {"loss": res.loss, "grads": {n: p.grad.clone() for n, p in stage.named_parameters()}})
-    except Exception:
-        out["pipe"] = ("error", traceback.format_exc())
-    try:  # dropless top-1 routing, three experts per rank
-        moe = impl.parallel.expert_parallel.parallelize_moe(_moe(impl), None)
-        x = _x(dist.get_rank()).requires_grad_()
-        y = moe(x)
-        y.pow(2).sum().backward()
-        out["moe"] = ("ok", {"y": y.detach(), "dropped": moe.dropped_tokens, "x_grad": x.grad})
-    except Exception:
-        out["moe"] = ("error", traceback.format_exc())
-    return out
+    return run_checks({"pipe": lambda: _pipeline_one_microbatch(impl), "moe": lambda: _dropless_moe(impl)})
 
 
-@pytest.fixture(scope="module")
-def hidden_results():
-    try:
-        return run_on_ranks(_rank_fn, 2, timeout=90)
-    except Exception as exc:
-        return exc
-
-
-def _get(results, key):
-    if isinstance(results, Exception):
-        raise results
-    values = []
-    for rank, r in enumerate(results):
-        status, value = r[key]
-        if status == "error":
-            raise AssertionError(f"rank {rank}, check {key!r}:\n{value}")
-        values.append(value)
-    return values
+hidden_results = spawned_checks(_rank_fn, 2, timeout=90)
 
 
 @pytest.mark.points(1)
 def test_pipeline_with_fewer_microbatches_than_stages_hidden(hidden_results):
-    ranks = _get(hidden_results, "pipe")
+    ranks = hidden_results.values("pipe")
     model, batches = _model_and_batch()
     loss = cross_entropy(model(batches[0][0]), batches[0][1])
     loss.backward()
@@ -96,7 +80,7 @@ def test_pipeline_with_fewer_microbatches_than_stages_hidden(hidden_results):
 
 @pytest.mark.points(1)
 def test_dropless_top1_expert_parallel_hidden(hidden_results, impl):
-    ranks = _get(hidden_results, "moe")
+    ranks = hidden_results.values("moe")
     for r, v in enumerate(ranks):
         moe = _moe(impl)
         x = _x(r).requires_grad_()

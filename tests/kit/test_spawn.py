@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import time
 
 import pytest
@@ -37,6 +38,14 @@ def _report_pid() -> int:
     return os.getpid()
 
 
+def _sizes_disagree() -> None:
+    dist.all_reduce(torch.ones(3 if dist.get_rank() == 0 else 5))  # gloo aborts the process
+
+
+def _say_on_stderr() -> None:
+    print(f"rank {dist.get_rank()} says hello on stderr", file=sys.stderr, flush=True)
+
+
 def _exit_hard() -> None:
     if dist.get_rank() == 1:
         os._exit(3)
@@ -59,20 +68,42 @@ def test_tensors_come_back_after_the_ranks_exit() -> None:
 
 def test_failing_rank_surfaces_its_traceback_quickly() -> None:
     start = time.monotonic()
-    with pytest.raises(RankFailedError, match="rank one is broken on purpose") as info:
+    with pytest.raises(RankFailedError) as info:
         run_on_ranks(_fail_on_rank_one, 2, timeout=60)
-    assert "rank 1 of 2 failed" in str(info.value)
+    lines = str(info.value).splitlines()
+    # The rank's own message first: pytest's one-line summary keeps only the first line.
+    assert lines[0] == "rank 1 of 2 failed: ValueError: rank one is broken on purpose"
+    assert (info.value.rank, info.value.error_type) == (1, "ValueError")
+    assert "in _fail_on_rank_one" in str(info.value), "the rank's traceback follows"
+    assert "kit/spawn" not in str(info.value), "without the kit's own frames"
     assert time.monotonic() - start < 30, "a failing rank must not make the others wait for the timeout"
 
 
 def test_hung_rank_times_out_with_its_stack() -> None:
     with pytest.raises(RankTimeoutError) as info:
         run_on_ranks(_hang_on_rank_zero, 2, timeout=15)
-    assert "rank 0" in str(info.value) and "_hang_on_rank_zero" in str(info.value)
+    first = str(info.value).splitlines()[0]
+    assert first.startswith("ranks [0] of 2 did not finish within 15 s: rank 0 at "), first
+    assert "test_spawn.py, line" in first and "in _hang_on_rank_zero" in first, "where it was stuck, in one line"
+    assert "<frozen importlib" not in str(info.value)
+
+
+def test_collective_mismatch_quotes_gloo() -> None:
+    # gloo kills the process (SIGABRT) and explains on stderr only; the error must carry the explanation.
+    with pytest.raises(RankFailedError) as info:
+        run_on_ranks(_sizes_disagree, 2, timeout=60)
+    first = str(info.value).splitlines()[0]
+    assert "was killed by SIGABRT without reporting" in first and "collective mismatch" in first, first
+
+
+def test_rank_stderr_reaches_the_parent(capfd) -> None:
+    run_on_ranks(_say_on_stderr, 2, timeout=60)
+    err = capfd.readouterr().err
+    assert "rank 0 says hello on stderr" in err and "rank 1 says hello on stderr" in err
 
 
 def test_rank_that_exits_without_reporting_fails_the_run() -> None:
-    with pytest.raises(RankFailedError, match="exited with code 3"):
+    with pytest.raises(RankFailedError, match="^rank 1 of 2 exited with code 3 without reporting"):
         run_on_ranks(_exit_hard, 2, timeout=60)
 
 
@@ -94,6 +125,10 @@ def test_no_orphans_left_behind() -> None:
 def test_bad_arguments_are_named() -> None:
     with pytest.raises(ValueError, match="world_size"):
         run_on_ranks(_report_pid, 0)
+    with pytest.raises(TypeError, match="world_size"):
+        run_on_ranks(_report_pid, True)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="timeout"):
+        run_on_ranks(_report_pid, 1, timeout=0)
     with pytest.raises(ValueError, match="backend"):
         run_on_ranks(_report_pid, 1, backend="mpi")
     with pytest.raises(TypeError, match="fn must be callable"):
