@@ -75,13 +75,16 @@ def resume_check() -> dict[str, Any]:
     train to step 2·SAVE_AT."""
     impl = kit.impl.load()
     group = dist.new_group(SAVERS)
-    saved: list[Any] = [None]
+    saved: list[Any] = [None, None]  # the checkpoint, or the error that prevented it: rank 0's, for every rank
     if dist.get_rank() in SAVERS:
-        fsdp, _ = fsdp_train(impl, "transformer", "plain_sgd", steps=SAVE_AT, group=group)
-        state = fsdp.state_dict()
-        if dist.get_rank() == 0:
-            saved = [state]
+        try:
+            fsdp, _ = fsdp_train(impl, "transformer", "plain_sgd", steps=SAVE_AT, group=group)
+            saved[0] = fsdp.state_dict()
+        except Exception as exc:  # noqa: BLE001 — re-raised on every rank below, so none waits alone
+            saved[1] = exc
     dist.broadcast_object_list(saved, src=0)
+    if saved[1] is not None:
+        raise saved[1]
     state = saved[0]
     fsdp = impl.fsdp.FSDP(make_model("transformer", seed=99))
     fsdp.load_state_dict(state)
