@@ -602,7 +602,7 @@ def test_construction_shards_and_agrees(two_ranks) -> None:
 
 
 @pytest.mark.points(1)
-def test_bad_inputs_raise_clear_errors(two_ranks) -> None:
+def test_fsdp_bad_inputs_raise_clear_errors(two_ranks) -> None:
     two_ranks.values("construction")  # FSDP must work before its errors are graded
     expected = {"module without parameters": ("ValueError", "module"), "module not a Module": ("TypeError", "module"),
                 "prefetch=-1": ("ValueError", "prefetch"), "prefetch=1.5": ("TypeError", "prefetch"),
