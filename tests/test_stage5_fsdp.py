@@ -28,7 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import kit.impl
 from kit.checks import run_checks, spawned_checks
-from kit.comm_log import CommLog, Event
+from kit.comm_log import CommLog, Event, format_events
 from kit.model import ModelConfig, RMSNorm, TransformerLM, cross_entropy
 from kit.testing import assert_close, assert_equal
 
@@ -796,7 +796,7 @@ def test_collectives_per_step_match_the_accounting(two_ranks, impl) -> None:
             others = sorted({e.op for e in step} - set(expected))
             assert not others, f"rank {rank}, {name}: unexpected collectives in a step: {others}. See handout 05b §7."
             assert_equal(counted, expected, name=f"rank {rank}, {name}: (count, bytes handed in) per collective in "
-                         f"one step, counted: {CommLog().format(step)}", section="handout 05b §7")
+                         f"one step, counted: {format_events(step)}", section="handout 05b §7")
             groups = {e.group for e in step}
             assert_equal(groups, {(0, 1)}, name=f"rank {rank}, {name}: the groups the collectives ran on",
                          section="handout 05b §2")
