@@ -669,7 +669,8 @@ class FSDPAccounting:
     hands in, summed (the kit's convention, what ``kit.comm_log`` records): an all-gather's input (this
     rank's shards), a reduce-scatter's input (the full padded gradient), an all-reduce's tensor. With ring
     algorithms a rank *sends* ``(N−1)×`` an all-gather's input, ``(N−1)/N`` of a reduce-scatter's and
-    ``2(N−1)/N`` of an all-reduce's: :attr:`sent_bytes`.
+    ``2(N−1)/N`` of an all-reduce's: :attr:`sent_bytes`. (NCCL's. gloo runs ``reduce_scatter_tensor`` as an
+    all-reduce of the whole buffer, so there a reduce-scatter sends ``2(N−1)/N`` of its input.)
     """
 
     world_size: int
