@@ -24,7 +24,9 @@ Per implementation, for the rank that holds the most:
 * ``peak_mb`` — the most bytes allocated during a step: on CUDA the allocator's peak; on a CPU the live
   model state before the step plus the highest running total of ``torch.profiler``'s allocation events;
 * ``comm_mb`` — the bytes handed to collectives in one step, recorded by ``kit.comm_log``;
-  ``predicted_comm_mb`` — the FSDP accounting's;
+  ``predicted_comm_mb`` — the FSDP accounting's (all-gathers, reduce-scatters, all-reduces), and for DDP
+  every gradient once (its all-reduces), for this kit's ZeRO-1 every gradient and every parameter (its
+  broadcasts). Bytes *handed in*: on gloo a reduce-scatter sends what an all-reduce sends (handout 05b §5);
 * ``step_ms`` — median step (zero_grad, forward, backward, gradient synchronisation, optimizer step),
   timed with ``kit.bench.step_time`` in interleaved rounds so background load hits each alike;
   ``vs_fully_shard`` — the ratio to ``fully_shard``'s, goal ≤ 1.2 (handout 05b §9).
@@ -181,6 +183,9 @@ def summarize(per_rank: list[list[dict]], world: int, impl_name: str, dtype: str
         if name in ("DDP", "ZeRO-1"):
             predicted = impl.zero.zero_memory_accounting(psi, world, 0 if name == "DDP" else 1, param_bytes=4,
                                                          grad_bytes=4, optimizer_bytes_per_param=8).total_bytes
+            # Handed in: every fp32 gradient to DDP's all-reduces; ZeRO-1 also every parameter to its owner's
+            # broadcast (each rank passes the whole tensor, owner or not).
+            predicted_comm = (1 if name == "DDP" else 2) * 4 * psi / MB
         else:
             options = FSDP_ROWS.get(name, {"prefetch": 1})
             acc = impl.fsdp.fsdp_accounting(fsdp_shapes["unit_shapes"], fsdp_shapes["replicated_shapes"], world,

@@ -586,12 +586,14 @@ class FSDP(nn.Module):
         (every micro-batch still gathers each unit, twice with ``reshard_after_forward``). The price is
         memory: each unit's full fp32 gradient stays allocated until the synchronising micro-batch.
         """
+        # BEGIN SOLUTION turn require_backward_grad_sync off, restore it on exit (handout 04 §5, 05b §6)
         previous = self.require_backward_grad_sync
         self.require_backward_grad_sync = False
         try:
             yield
         finally:
             self.require_backward_grad_sync = previous
+        # END SOLUTION
 
     # -- full parameters and checkpoints -------------------------------------------------------------
 

@@ -475,12 +475,7 @@ class FSDP(nn.Module):
         (every micro-batch still gathers each unit, twice with ``reshard_after_forward``). The price is
         memory: each unit's full fp32 gradient stays allocated until the synchronising micro-batch.
         """
-        previous = self.require_backward_grad_sync
-        self.require_backward_grad_sync = False
-        try:
-            yield
-        finally:
-            self.require_backward_grad_sync = previous
+        raise NotImplementedError("FSDP.no_sync: turn require_backward_grad_sync off, restore it on exit (handout 04 §5, 05b §6)")
 
     # -- full parameters and checkpoints -------------------------------------------------------------
 
