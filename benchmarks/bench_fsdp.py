@@ -242,7 +242,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     right.bar(names, [r["state_mb"] for r in rows], color="tab:orange", label="params + grads + optimizer")
     right.plot(names, [r["predicted_mb"] for r in rows], "k_", markersize=20, label="accounting")
     right.set_ylabel("MiB on the largest rank")
-    right.legend()
+    right.set_ylim(0, 1.4 * max(r["peak_mb"] for r in rows))  # room for the legend above the bars
+    right.legend(loc="upper right", fontsize=8)
     for ax in (left, right):
         ax.tick_params(axis="x", rotation=45)
     fig.suptitle(title, fontsize=9)
