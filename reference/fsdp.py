@@ -35,6 +35,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from kit import validate
+
 __all__ = ["FSDP", "FSDPAccounting", "fsdp_accounting", "take_shard"]
 
 COMPUTE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -58,12 +60,11 @@ def take_shard(full: torch.Tensor, world_size: int, rank: int) -> torch.Tensor:
     a 64-row weight gives R = 22: rows 0–21, 22–43, and 44–63 plus two zero rows). Concatenating the N
     shards along dim 0 and keeping the first ``rows`` rows gives ``full`` back.
     """
-    if not isinstance(full, torch.Tensor) or full.dim() < 1:
-        raise TypeError(f"full must be a tensor with at least one dimension, got {full!r:.80}")
-    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
-        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
-    if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < world_size:
-        raise ValueError(f"rank must be an int in [0, world_size={world_size}), got {rank!r}")
+    validate.instance("full", full, torch.Tensor, "a tensor")
+    if full.dim() < 1:
+        raise ValueError("full must have at least one dimension (dim 0 is split), got a 0-d tensor")
+    validate.positive_int("world_size", world_size)
+    validate.index("rank", rank, world_size)
     # BEGIN SOLUTION pad dim 0 to N·⌈rows/N⌉ with zeros, keep rows [r·R, (r+1)·R) (handout 05b §1)
     rows = full.shape[0]
     per_rank = math.ceil(rows / world_size)
@@ -76,8 +77,49 @@ def take_shard(full: torch.Tensor, world_size: int, rank: int) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------------------------------
-# Given bookkeeping: what FSDP remembers about each sharded parameter and each unit
+# Given: the argument checks, and the default choice of units
 # ----------------------------------------------------------------------------------------------------
+
+
+def _default_unit(module: nn.Module) -> bool:
+    """The default rule: a module that directly owns a parameter of two or more dimensions."""
+    return any(p.dim() >= 2 for p in module.parameters(recurse=False))
+
+
+def _unit_rule(units: Any) -> Callable[[nn.Module], bool]:
+    """``units`` (None, a module class, a tuple or list of classes, or a predicate) as a predicate."""
+    if units is None:
+        return _default_unit
+    if isinstance(units, type):
+        units = (units,)
+    if isinstance(units, (tuple, list)):
+        if not units or not all(isinstance(c, type) and issubclass(c, nn.Module) for c in units):
+            raise TypeError(f"units must be nn.Module classes (a class, a non-empty tuple or list), got {units!r}")
+        classes = tuple(units)
+        return lambda m: isinstance(m, classes)
+    if callable(units):
+        return units
+    raise TypeError(
+        f"units must be None, an nn.Module class, a tuple of classes or a predicate module -> bool, got {units!r}"
+    )
+
+
+def _check_arguments(module: Any, compute_dtype: Any, prefetch: Any, reshard_after_forward: Any) -> None:
+    validate.instance("module", module, nn.Module, "a torch.nn.Module")
+    if not any(True for _ in module.parameters()):
+        raise ValueError(f"module must have parameters to shard; this {type(module).__name__} has none")
+    if compute_dtype is not None:
+        validate.instance("compute_dtype", compute_dtype, torch.dtype, "a torch.dtype or None")
+        validate.choice("compute_dtype", compute_dtype, COMPUTE_DTYPES)
+    validate.non_negative_int("prefetch", prefetch)
+    validate.instance("reshard_after_forward", reshard_after_forward, bool, "a bool")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Given helpers: what FSDP remembers about each sharded parameter and each unit, and small tools
+# ----------------------------------------------------------------------------------------------------
+
+# BEGIN SCAFFOLD
 
 
 @dataclass(eq=False)
@@ -205,54 +247,15 @@ def _tensors_in(value: Any) -> list[torch.Tensor]:
     return []
 
 
-def _default_unit(module: nn.Module) -> bool:
-    """The default rule: a module that directly owns a parameter of two or more dimensions."""
-    return any(p.dim() >= 2 for p in module.parameters(recurse=False))
-
-
-def _unit_rule(units: Any) -> Callable[[nn.Module], bool]:
-    """``units`` (None, a module class, a tuple or list of classes, or a predicate) as a predicate."""
-    if units is None:
-        return _default_unit
-    if isinstance(units, type):
-        units = (units,)
-    if isinstance(units, (tuple, list)):
-        if not units or not all(isinstance(c, type) and issubclass(c, nn.Module) for c in units):
-            raise TypeError(f"units must be nn.Module classes (a class, a non-empty tuple or list), got {units!r}")
-        classes = tuple(units)
-        return lambda m: isinstance(m, classes)
-    if callable(units):
-        return units
-    raise TypeError(
-        f"units must be None, an nn.Module class, a tuple of classes or a predicate module -> bool, got {units!r}"
-    )
-
-
-def _check_arguments(module: Any, compute_dtype: Any, prefetch: Any, reshard_after_forward: Any) -> None:
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
-    if not any(True for _ in module.parameters()):
-        raise ValueError(f"module must have parameters to shard; this {type(module).__name__} has none")
-    if compute_dtype is not None and not isinstance(compute_dtype, torch.dtype):
-        raise TypeError(f"compute_dtype must be a torch.dtype or None, got {compute_dtype!r}")
-    if compute_dtype is not None and compute_dtype not in COMPUTE_DTYPES:
-        raise ValueError(
-            f"compute_dtype must be one of torch.float32, torch.float16, torch.bfloat16 (or None), got {compute_dtype}"
-        )
-    if not isinstance(prefetch, int) or isinstance(prefetch, bool):
-        raise TypeError(f"prefetch must be an int ≥ 0 (units gathered ahead), got {prefetch!r}")
-    if prefetch < 0:
-        raise ValueError(f"prefetch must be ≥ 0 (units gathered ahead), got {prefetch}")
-    if not isinstance(reshard_after_forward, bool):
-        raise TypeError(f"reshard_after_forward must be a bool, got {reshard_after_forward!r}")
-
-
 def _broadcast_from_first_rank(module: nn.Module, group: Any) -> None:
     """Every parameter and buffer from the group's first rank to the others (in place, one per tensor)."""
     src = dist.get_global_rank(group, 0) if group is not None else 0
     with torch.no_grad():
         for t in [*module.parameters(), *module.buffers()]:
             dist.broadcast(t.data, src=src, group=group)
+
+
+# END SCAFFOLD
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -283,7 +286,8 @@ class FSDP(nn.Module):
             sharded parameters hold this rank's shard.
         unit_names: each unit's module name in the wrapped model, in construction (pre-order) order.
         unit_param_names: each unit's parameter names, in the same order.
-        replicated_names: the parameters of no unit, kept whole on every rank.
+        unit_shapes: each unit's parameters' full (unsharded) shapes, in the same order.
+        replicated_names, replicated_shapes: the parameters of no unit, kept whole on every rank.
         world_size, rank: of the process group.
     """
 
@@ -304,6 +308,7 @@ class FSDP(nn.Module):
                 "FSDP needs an initialised process group (dist.init_process_group, or run inside "
                 "kit.spawn.run_on_ranks)"
             )
+        # BEGIN SCAFFOLD keep the options, broadcast from the first rank, find the units (handout 05b §2)
         super().__init__()
         self.module = module
         self.process_group = process_group
@@ -325,7 +330,10 @@ class FSDP(nn.Module):
         self._replicated = [(n, p) for n, p in module.named_parameters() if id(p) not in in_unit]
         self.unit_names = [u.name for u in self._units]
         self.unit_param_names = [[p.name for p in u.params] for u in self._units]
+        self.unit_shapes = [[tuple(p.full_shape) for p in u.params] for u in self._units]
         self.replicated_names = [n for n, _ in self._replicated]
+        self.replicated_shapes = [tuple(p.shape) for _, p in self._replicated]
+        # END SCAFFOLD
         # BEGIN SOLUTION replace each unit parameter's data by this rank's shard; register the hooks (handout 05b §2)
         with torch.no_grad():
             for unit in self._units:
@@ -341,8 +349,9 @@ class FSDP(nn.Module):
                 param.register_post_accumulate_grad_hook(self._on_replicated_grad)
         # END SOLUTION
 
-    # -- given: finding the units --------------------------------------------------------------------
+    # -- Given helpers: finding the units --------------------------------------------------------------
 
+    # BEGIN SCAFFOLD
     def _build_units(self, is_unit: Callable[[nn.Module], bool]) -> list[_Unit]:
         """Walk the modules in pre-order; a module matching ``is_unit`` (and inside no unit) is a unit.
 
@@ -393,24 +402,18 @@ class FSDP(nn.Module):
                     raise ValueError(f"units: parameter {p.name} of unit {unit.name!r} is also used outside every "
                                      f"unit (as {outside[0]}); tied weights must live in one unit")
         return units
-
-    @property
-    def unit_shapes(self) -> list[list[tuple[int, ...]]]:
-        """Each unit's parameters' full (unsharded) shapes, in unit order."""
-        return [[tuple(p.full_shape) for p in u.params] for u in self._units]
-
-    @property
-    def replicated_shapes(self) -> list[tuple[int, ...]]:
-        return [tuple(p.shape) for _, p in self._replicated]
+    # END SCAFFOLD
 
     # -- the forward -------------------------------------------------------------------------------
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the wrapped module; remembers whether this step's backward should communicate."""
+        # BEGIN SCAFFOLD decide whether this step synchronises; run; the order is now known (handout 05b §4)
         self._sync_this_step = self.require_backward_grad_sync
         out = self.module(*args, **kwargs)
         self._order_recorded = True
         return out
+        # END SCAFFOLD
 
     def _unshard(self, unit: _Unit) -> None:
         """Issue the unit's all-gather asynchronously (nothing to do if it is in flight or gathered)."""
@@ -574,9 +577,11 @@ class FSDP(nn.Module):
 
     def on_train_batch_start(self) -> None:
         """Call before a step's forward to forget the collectives of an aborted step (optional)."""
+        # BEGIN SCAFFOLD forget the collectives and gradient counts of an aborted step (handout 05b §5)
         self._reduce_scatters, self._all_reduces = [], []
         for unit in self._units:
             unit.grads_ready = 0
+        # END SCAFFOLD
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -625,19 +630,16 @@ class FSDP(nn.Module):
         into an FSDP of any world size through :meth:`load_state_dict`.
         """
         full = self.gather_full_params()
-        state = {k: v.detach().clone() for k, v in self.module.state_dict().items()}
-        for unit in self._units:
-            for p in unit.params:
-                for key in p.slot_names:
-                    state[key] = full[p.name]
-        return state
+        names = {id(p): n for n, p in self.module.named_parameters()}  # a tied parameter: its first name
+        return {k: full[names[id(v)]] if id(v) in names else v.detach().clone()
+                for k, v in self.module.state_dict(keep_vars=True).items()}
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict[str, torch.Tensor], strict: bool = True) -> Any:  # type: ignore[override]
         """Load a full state dict (from :meth:`state_dict` at any world size, or a plain model's): each rank
         keeps its own shard of every sharded parameter. No communication."""
-        if not isinstance(state_dict, dict):
-            raise TypeError(f"state_dict must be a dict of full tensors, got {type(state_dict).__name__}")
+        validate.instance("state_dict", state_dict, dict, "a dict of full tensors (from state_dict())")
+        # BEGIN SOLUTION take_shard of each sharded full tensor, then module.load_state_dict (handout 05b §6)
         local = dict(state_dict)
         for unit in self._units:
             for p in unit.params:
@@ -647,10 +649,9 @@ class FSDP(nn.Module):
                     if tuple(state_dict[key].shape) != tuple(p.full_shape):
                         raise ValueError(f"state_dict[{key!r}] has shape {tuple(state_dict[key].shape)}, expected "
                                          f"the full shape {tuple(p.full_shape)}")
-                    # BEGIN SOLUTION replace the full tensor by this rank's shard of it (handout 05b §6)
                     local[key] = take_shard(state_dict[key], self.world_size, self.rank)
-                    # END SOLUTION
         return self.module.load_state_dict(local, strict=strict)
+        # END SOLUTION
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -730,14 +731,12 @@ def fsdp_accounting(
     A parameter of shape ``(rows, *rest)`` has a shard of ``⌈rows/N⌉·prod(rest)`` elements per rank and a
     padded full size N times that.
     """
-    for name, value, low in (("world_size", world_size, 1), ("prefetch", prefetch, 0),
-                             ("compute_bytes", compute_bytes, 1), ("param_bytes", param_bytes, 1),
-                             ("grad_bytes", grad_bytes, 1),
-                             ("optimizer_bytes_per_param", optimizer_bytes_per_param, 0)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < low:
-            raise ValueError(f"{name} must be an int ≥ {low}, got {value!r}")
-    if not isinstance(reshard_after_forward, bool):
-        raise TypeError(f"reshard_after_forward must be a bool, got {reshard_after_forward!r}")
+    for name, value in (("world_size", world_size), ("compute_bytes", compute_bytes), ("param_bytes", param_bytes),
+                        ("grad_bytes", grad_bytes)):
+        validate.positive_int(name, value)
+    validate.non_negative_int("prefetch", prefetch)
+    validate.non_negative_int("optimizer_bytes_per_param", optimizer_bytes_per_param)
+    validate.instance("reshard_after_forward", reshard_after_forward, bool, "a bool")
     shapes = [[tuple(s) for s in unit] for unit in unit_shapes]
     replicated = [tuple(s) for s in replicated_shapes]
     if any(len(s) == 0 for unit in shapes for s in unit):

@@ -1,4 +1,4 @@
-# Your work goes in this file. Generated from the kit's reference by `make student`.
+# Given code — read, don't edit. Generated from the kit's reference by `make student`.
 """Stage 5, part two — see FSDP's schedule: a torch.profiler timeline and the memory of one step (given code).
 
 ``run_on_ranks(profile_fsdp_steps, 2, args=((0, 1, 2),))`` profiles one training step of a small kit
