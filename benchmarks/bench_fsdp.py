@@ -214,8 +214,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--batch-size", type=int, default=None, help="sequences per rank")
     p.add_argument("--compute-dtype", choices=sorted(DTYPES), default="fp32", help="FSDP's compute_dtype")
     p.add_argument("--iters", type=int, default=None, help="timed rounds")
-    p.add_argument("--impls", nargs="+", choices=IMPLEMENTATIONS, default=list(IMPLEMENTATIONS))
+    p.add_argument("--impls", nargs="+", choices=IMPLEMENTATIONS, default=None,
+                   help="implementations to compare (default: all; with --smoke: DDP, FSDP p1, fully_shard)")
     args = bench.parse(p, argv)
+    impls = args.impls or (["DDP", "FSDP p1", "fully_shard"] if args.smoke else list(IMPLEMENTATIONS))
     if args.world_size < 2:
         p.error(f"--world-size must be at least 2, got {args.world_size}")
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -227,7 +229,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     batch = args.batch_size or (2 if args.smoke else 8 if big else 4)
     iters, warmup = args.iters or (1 if args.smoke else 10), 0 if args.smoke else 2
     per_rank = run_on_ranks(measure_rank, args.world_size, args=(args.impl, config, batch, args.compute_dtype,
-                                                                 args.impls, warmup, iters),
+                                                                 impls, warmup, iters),
                             timeout=300 if args.smoke else 1800)
     rows = summarize(per_rank, args.world_size, args.impl, args.compute_dtype)
     title = (f"FSDP vs DDP, ZeRO-1 and fully_shard: {rows[0]['params_m']:.1f} M parameters, "
