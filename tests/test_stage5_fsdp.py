@@ -11,7 +11,8 @@ Independent references, all computed inside the ranks (one thread each, so the k
 * the memory FSDP really holds, traced storage by storage with a dispatch mode (:class:`GatheredTracker`);
 * the collectives it really issues, recorded by ``kit.comm_log`` during a real step.
 
-One 2-rank and one 3-rank spawn run every check (``kit.checks``); each test reads its own.
+One 3-rank spawn runs every check (``kit.checks``): the 2-rank ones on the group of ranks 0 and 1, the
+3-rank ones on all three. Each test reads its own.
 """
 
 from __future__ import annotations
@@ -44,8 +45,9 @@ OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
     "adamw": (torch.optim.AdamW, {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}),
 }
 U32 = 2.0**-24  # unit roundoff of fp32
+PAIR = [0, 1]  # the 2-rank checks run on this group of the 3 ranks
 SUBGROUP = [1, 2]  # of the 3 ranks: a group that does not start at global rank 0
-TIMEOUT = 240.0
+TIMEOUT = 420.0  # seconds for the one spawn, start-up included, on a loaded 2-core machine
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -328,18 +330,18 @@ class GatheredTracker(TorchDispatchMode):
         return out
 
 
-def memory_check(kind: str, prefetches: tuple[int, ...]) -> dict[str, Any]:
+def memory_check(kind: str, prefetches: tuple[int, ...], group: Any = None) -> dict[str, Any]:
     """One traced step (after a first one that records the order) for each prefetch, plus bytes held."""
     impl = kit.impl.load()
-    world = dist.get_world_size()
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
     out: dict[str, Any] = {"peak": {}, "after_step": {}}
     for prefetch in prefetches:
-        fsdp, opt = fsdp_train(impl, kind, "adamw", steps=1, prefetch=prefetch)
+        fsdp, opt = fsdp_train(impl, kind, "adamw", steps=1, group=group, prefetch=prefetch)
         x, y = batch(kind, 1)
         tracker = GatheredTracker(limit=prefetch + 1)
         with tracker:
             opt.zero_grad(set_to_none=True)
-            loss_of(kind, fsdp(x[rows_of(dist.get_rank(), world)]), y[rows_of(dist.get_rank(), world)]).backward()
+            loss_of(kind, fsdp(x[rows_of(rank, world)]), y[rows_of(rank, world)]).backward()
             fsdp.finish_gradient_synchronization()
             opt.step()
             tracker.counting = False
@@ -362,14 +364,14 @@ def memory_check(kind: str, prefetches: tuple[int, ...]) -> dict[str, Any]:
 # ----------------------------------------------------------------------------------------------------
 
 
-def training_check(runs: list[tuple[str, str, torch.dtype | None]]) -> dict[str, Any]:
+def training_check(runs: list[tuple[str, str, torch.dtype | None]], group: Any = None) -> dict[str, Any]:
     """FSDP and the references for each (model, optimizer, compute dtype)."""
     impl = kit.impl.load()
-    world = dist.get_world_size()
+    world = dist.get_world_size(group)
     out = {}
     for kind, optimizer, dtype in runs:
         first: dict[str, torch.Tensor] = {}
-        fsdp, opt = fsdp_train(impl, kind, optimizer, compute_dtype=dtype, first=first)
+        fsdp, opt = fsdp_train(impl, kind, optimizer, compute_dtype=dtype, first=first, group=group)
         result = reference_run(kind, optimizer, world, compute_dtype=dtype)
         result["fsdp"], result["fsdp_first"] = fsdp.gather_full_params(), first
         result["dtypes"] = sorted({str(p.dtype) for p in fsdp.parameters()} | {str(p.grad.dtype) for p in
@@ -379,10 +381,10 @@ def training_check(runs: list[tuple[str, str, torch.dtype | None]]) -> dict[str,
     return out
 
 
-def construction_check() -> dict[str, Any]:
+def construction_check(group: Any = None) -> dict[str, Any]:
     """Ranks start from different weights; afterwards all hold rank 0's, sharded. And bad input."""
     impl = kit.impl.load()
-    fsdp = impl.fsdp.FSDP(make_model("toy", seed=10 + dist.get_rank()), prefetch=0)
+    fsdp = impl.fsdp.FSDP(make_model("toy", seed=10 + dist.get_rank(group)), process_group=group, prefetch=0)
     out = {"gathered": fsdp.gather_full_params(), "state_dict": fsdp.state_dict(),
            "shards": {n: (tuple(p.shape), p.dtype) for n, p in fsdp.module.named_parameters()},
            "unit_names": fsdp.unit_names, "replicated_names": fsdp.replicated_names}
@@ -406,9 +408,8 @@ def construction_check() -> dict[str, Any]:
     return out
 
 
-def subgroup_check() -> dict[str, Any] | None:
+def subgroup_check(group: Any) -> dict[str, Any] | None:
     """FSDP over ranks [1, 2] of 3, starting from different weights: global rank 1's win."""
-    group = dist.new_group(SUBGROUP)  # every rank calls new_group, members or not
     if dist.get_rank() not in SUBGROUP:
         return None
     impl = kit.impl.load()
@@ -424,14 +425,14 @@ COMM_CONFIGS = {  # name → FSDP options for a counted step of the Transformer
 }
 
 
-def counted_step(fsdp: Any, opt: torch.optim.Optimizer, step: int, micro_batches: int = 1,
+def counted_step(fsdp: Any, opt: torch.optim.Optimizer, step: int, group: Any = None, micro_batches: int = 1,
                  no_sync_first: bool = False) -> CommLog:
     """One training step under a CommLog, with a mark at the start and end of every unit's forward.
 
     The marks come from hooks registered after FSDP's own, so "fwd start" follows FSDP's pre-forward
     work and "fwd end" follows its post-forward work: between them the unit computes.
     """
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
     x, y = batch("transformer", step)
     mine = list(range(BATCH))[rows_of(rank, world)]
     parts = [mine[: len(mine) - 1], mine[len(mine) - 1 :]] if micro_batches == 2 else [mine]
@@ -465,25 +466,25 @@ class _nothing:
         return None
 
 
-def comm_check() -> dict[str, Any]:
+def comm_check(group: Any = None) -> dict[str, Any]:
     """Step 1 records the order; step 2 is counted, for each configuration."""
     impl = kit.impl.load()
     out: dict[str, Any] = {}
     for name, options in COMM_CONFIGS.items():
-        fsdp, opt = fsdp_train(impl, "transformer", "adamw", steps=1, **options)
-        log = counted_step(fsdp, opt, 1)
+        fsdp, opt = fsdp_train(impl, "transformer", "adamw", steps=1, group=group, **options)
+        log = counted_step(fsdp, opt, 1, group)
         out[name] = {"events": log.events,
                      "replicated_grads": {n: p.grad.clone() for n, p in fsdp.module.named_parameters()
                                           if n in fsdp.replicated_names}}
     return out
 
 
-def no_sync_check() -> dict[str, Any]:
+def no_sync_check(group: Any = None) -> dict[str, Any]:
     """Two micro-batches per step, the first inside no_sync, against the same accumulation in one process."""
     impl = kit.impl.load()
-    fsdp, opt = fsdp_train(impl, "transformer", "sgd", steps=1)
-    log = counted_step(fsdp, opt, 1, micro_batches=2, no_sync_first=True)
-    rank, world = dist.get_rank(), dist.get_world_size()
+    fsdp, opt = fsdp_train(impl, "transformer", "sgd", steps=1, group=group)
+    log = counted_step(fsdp, opt, 1, group, micro_batches=2, no_sync_first=True)
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
     model = make_model("transformer")
     ref_opt = make_optimizer("sgd", model.parameters())
     for step in range(2):
@@ -505,31 +506,56 @@ def no_sync_check() -> dict[str, Any]:
     return {"events": log.events, "fsdp": fsdp.gather_full_params(), "reference": snapshot(model), "rank": rank}
 
 
-def two_rank_checks() -> dict:
+def rank_checks() -> dict:
+    """Every check, in one 3-rank spawn (starting ranks costs seconds each). The 2-rank checks run on the
+    group of ranks 0 and 1 while rank 2 waits; the 3-rank checks on all three."""
+    pair, sub = dist.new_group(PAIR), dist.new_group(SUBGROUP)  # every rank creates every group, in order
+    member = dist.get_rank() in PAIR
+
+    def on_pair(check: Any) -> Any:
+        return lambda: check(pair) if member else None
+
     return run_checks({
-        "construction": construction_check,
-        "train_fp32": lambda: training_check([("toy", "sgd", None), ("toy", "adamw", None),
-                                              ("transformer", "sgd", None), ("transformer", "adamw", None)]),
-        "train_mixed": lambda: training_check([("transformer", "sgd", torch.bfloat16),
-                                               ("transformer", "adamw", torch.bfloat16),
-                                               ("toy", "sgd", torch.float16), ("transformer", "adamw", torch.float16)]),
-        "memory": lambda: memory_check("transformer", (0, 1, 2)),
-        "comm": comm_check,
-        "no_sync": no_sync_check,
+        "two/construction": on_pair(construction_check),
+        "two/train_fp32": on_pair(lambda g: training_check([("toy", "sgd", None), ("toy", "adamw", None),
+                                                            ("transformer", "sgd", None),
+                                                            ("transformer", "adamw", None)], g)),
+        "two/train_mixed": on_pair(lambda g: training_check([("transformer", "sgd", torch.bfloat16),
+                                                             ("transformer", "adamw", torch.bfloat16),
+                                                             ("toy", "sgd", torch.float16),
+                                                             ("transformer", "adamw", torch.float16)], g)),
+        "two/memory": on_pair(lambda g: memory_check("transformer", (0, 1, 2), g)),
+        "two/comm": on_pair(comm_check),
+        "two/no_sync": on_pair(no_sync_check),
+        "three/train_fp32": lambda: training_check([("toy", "sgd", None), ("transformer", "sgd", None),
+                                                    ("transformer", "adamw", None)]),
+        "three/memory": lambda: memory_check("toy", (1,)),
+        "three/subgroup": lambda: subgroup_check(sub),
     })
 
 
-def three_rank_checks() -> dict:
-    return run_checks({
-        "train_fp32": lambda: training_check([("toy", "sgd", None), ("transformer", "sgd", None),
-                                              ("transformer", "adamw", None)]),
-        "memory": lambda: memory_check("toy", (1,)),
-        "subgroup": subgroup_check,
-    })
+class Members:
+    """The values of one group's checks in the spawn: ``values(name)`` reads ``<prefix>/<name>`` on its ranks."""
+
+    def __init__(self, checks: Any, prefix: str, ranks: list[int]) -> None:
+        self.checks, self.prefix, self.ranks = checks, prefix, ranks
+
+    def values(self, name: str) -> list[Any]:
+        values = self.checks.values(f"{self.prefix}/{name}")
+        return [values[r] for r in self.ranks]
 
 
-two_ranks = spawned_checks(two_rank_checks, 2, timeout=TIMEOUT)
-three_ranks = spawned_checks(three_rank_checks, 3, timeout=TIMEOUT)
+spawn = spawned_checks(rank_checks, 3, timeout=TIMEOUT)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(spawn: Any) -> Members:
+    return Members(spawn, "two", PAIR)
+
+
+@pytest.fixture(scope="module")
+def three_ranks(spawn: Any) -> Members:
+    return Members(spawn, "three", [0, 1, 2])
 
 
 # ----------------------------------------------------------------------------------------------------
