@@ -113,6 +113,9 @@ def _check_arguments(module: Any, compute_dtype: Any, prefetch: Any, reshard_aft
         validate.choice("compute_dtype", compute_dtype, COMPUTE_DTYPES)
     validate.non_negative_int("prefetch", prefetch)
     validate.instance("reshard_after_forward", reshard_after_forward, bool, "a bool")
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("FSDP needs an initialised process group (dist.init_process_group, or run inside "
+                           "kit.spawn.run_on_ranks)")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -301,22 +304,13 @@ class FSDP(nn.Module):
         prefetch: int = 1,
         reshard_after_forward: bool = True,
     ):
-        _check_arguments(module, compute_dtype, prefetch, reshard_after_forward)
+        _check_arguments(module, compute_dtype, prefetch, reshard_after_forward)  # and that dist is initialised
         is_unit = _unit_rule(units)
-        if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError(
-                "FSDP needs an initialised process group (dist.init_process_group, or run inside "
-                "kit.spawn.run_on_ranks)"
-            )
         # BEGIN SCAFFOLD keep the options, broadcast from the first rank, find the units (handout 05b §2)
         super().__init__()
-        self.module = module
-        self.process_group = process_group
-        self.world_size = dist.get_world_size(process_group)
-        self.rank = dist.get_rank(process_group)
-        self.compute_dtype = compute_dtype
-        self.prefetch = prefetch
-        self.reshard_after_forward = reshard_after_forward
+        self.module, self.process_group = module, process_group
+        self.world_size, self.rank = dist.get_world_size(process_group), dist.get_rank(process_group)
+        self.compute_dtype, self.prefetch, self.reshard_after_forward = compute_dtype, prefetch, reshard_after_forward
         self.require_backward_grad_sync = True
         self._sync_this_step = True  # decided at forward time, as in Stage 4's DDP
         self._order: list[_Unit] = []  # units in the order the first forward ran them
@@ -592,8 +586,7 @@ class FSDP(nn.Module):
         memory: each unit's full fp32 gradient stays allocated until the synchronising micro-batch.
         """
         # BEGIN SOLUTION turn require_backward_grad_sync off, restore it on exit (handout 04 §5, 05b §6)
-        previous = self.require_backward_grad_sync
-        self.require_backward_grad_sync = False
+        previous, self.require_backward_grad_sync = self.require_backward_grad_sync, False
         try:
             yield
         finally:

@@ -38,22 +38,25 @@ from .fsdp import FSDP, fsdp_accounting
 
 PHASES = ("forward", "backward", "finish_gradient_synchronization", "optimizer.step")
 COMPUTE = ("aten::mm", "aten::addmm", "aten::bmm", "aten::embedding_dense_backward", "aten::embedding")
+GATHERS = (":all_gather", ":_allgather_base")
+REDUCTIONS = (":all_reduce", ":reduce_scatter", ":_reduce_scatter_base")
 
 
-def profile_fsdp_steps(
-    prefetches: Sequence[int] = (0, 1, 2),
-    *,
-    reshard_after_forward: bool = True,
-    d_model: int = 256,
-    layers: int = 4,
-    vocab: int = 2048,
-    seq: int = 32,
-    batch: int = 2,
-    warmup: int = 1,
-) -> dict[int, dict[str, Any]]:
-    """:func:`profile_fsdp_step` for each prefetch value, in one spawn: ``{prefetch: profile}``."""
-    return {p: profile_fsdp_step(p, reshard_after_forward=reshard_after_forward, d_model=d_model, layers=layers,
-                                 vocab=vocab, seq=seq, batch=batch, warmup=warmup) for p in prefetches}
+def _lane(event: Any, main_thread: int) -> str | None:
+    """Which row of the timeline a profiler event belongs to, if any."""
+    if event.name in PHASES:
+        return "phase"
+    if event.name.endswith(GATHERS):
+        return "gather"
+    if event.name.endswith(REDUCTIONS):
+        return "reduce"
+    return "compute" if event.thread == main_thread and event.name in COMPUTE else None
+
+
+def profile_fsdp_steps(prefetches: Sequence[int] = (0, 1, 2), **options: Any) -> dict[int, dict[str, Any]]:
+    """:func:`profile_fsdp_step` for each prefetch value, in one spawn: ``{prefetch: profile}``. ``options``
+    are :func:`profile_fsdp_step`'s keywords."""
+    return {p: profile_fsdp_step(p, **options) for p in prefetches}
 
 
 def profile_fsdp_step(
@@ -99,19 +102,10 @@ def profile_fsdp_step(
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         step()
     events = list(prof.events())
-    main_thread = next(e.thread for e in events if e.name == "forward")
-    t0 = min(e.time_range.start for e in events if e.name == "forward")
-    spans = []
-    for e in events:
-        start, end = (e.time_range.start - t0) / 1e3, (e.time_range.end - t0) / 1e3
-        if e.name in PHASES:
-            spans.append(("phase", e.name, start, end))
-        elif e.name.endswith((":all_gather", ":_allgather_base")):
-            spans.append(("gather", e.name, start, end))
-        elif e.name.endswith((":all_reduce", ":reduce_scatter", ":_reduce_scatter_base")):
-            spans.append(("reduce", e.name, start, end))
-        elif e.thread == main_thread and e.name in COMPUTE:
-            spans.append(("compute", e.name, start, end))
+    first = min((e for e in events if e.name == "forward"), key=lambda e: e.time_range.start)
+    t0, main_thread = first.time_range.start, first.thread
+    spans = sorted(((lane, e.name, (e.time_range.start - t0) / 1e3, (e.time_range.end - t0) / 1e3)
+                    for e in events if (lane := _lane(e, main_thread))), key=lambda span: span[2])
     results = prof.profiler.kineto_results  # memory events: absolute ns; the spans: µs since the trace began
     allocations = sorted((e.start_ns(), e.nbytes()) for e in results.events() if e.name() == "[memory]")
     totals = itertools.accumulate(b for _, b in allocations)
@@ -120,7 +114,7 @@ def profile_fsdp_step(
     acc = fsdp_accounting(fsdp.unit_shapes, fsdp.replicated_shapes, fsdp.world_size, prefetch=prefetch,
                           reshard_after_forward=reshard_after_forward, optimizer_bytes_per_param=8)
     steps = 4 * len(optimizer.state)  # AdamW's `step` counters: one fp32 scalar per parameter
-    return {"spans": sorted(spans, key=lambda s: s[2]), "memory": memory,
+    return {"spans": spans, "memory": memory,
             "predicted": {"state_bytes": acc.param_bytes + acc.optimizer_bytes + steps,
                           "with_gradients": acc.total_bytes + steps,
                           "peak_gathered_bytes": acc.peak_gathered_bytes}}

@@ -842,40 +842,47 @@ def _waits_of(events: list[Event], index: int) -> list[int]:
     return [i for i, e in enumerate(events) if e.kind == "wait" and e.target == index]
 
 
-@pytest.mark.points(3)
-def test_prefetch_overlaps_the_forward(two_ranks) -> None:
-    _, shard, _, _ = transformer_layout(2)
+def prefetch_steps(two_ranks: Members) -> list[tuple[int, str, int, list[Event], list[str]]]:
+    """(rank, configuration, prefetch, the counted step's events, the units in execution order) at prefetch 1 and 0."""
+    out = []
     for rank, result in enumerate(two_ranks.values("comm")):
         for name, prefetch in (("reshard/fp32/prefetch1", 1), ("reshard/fp32/prefetch0", 0)):
             events = result[name]["events"]
             step = events[_mark(events, "micro-batch 0"):]
-            units = execution_order(step)
-            gathers = _forward_gathers(step, units)
-            assert_equal([step[i].nbytes // 4 for i in gathers], [shard[u] for u in units], name=f"rank {rank}, "
-                         f"{name}: elements handed to each all-gather of the forward, in order (the j-th unit to run "
-                         "is gathered j-th)", section="handout 05b §4")
-            for j in range(len(units) - 1):
-                here, nxt, ag = units[j], units[j + 1], gathers[j + 1]
-                start, end = _mark(step, f"fwd start {here}"), _mark(step, f"fwd end {here}")
-                waits = _waits_of(step, ag)
-                seen = context(step, ag - 4, end + 1)
-                if prefetch:
-                    assert step[ag].async_op and ag < end, (
-                        f"rank {rank}, prefetch=1: the all-gather of unit {nxt} must be issued asynchronously before "
-                        f"unit {here}'s forward finishes, so it overlaps that compute; events: {seen}. "
-                        "See handout 05b §4.")
-                    assert waits and min(waits) > start, (
-                        f"rank {rank}, prefetch=1: the all-gather of unit {nxt} (#{ag}) was waited on before unit "
-                        f"{here} computed (or never): then nothing overlaps it; events: {seen}. See handout 05b §4.")
-                else:
-                    assert ag > end, (
-                        f"rank {rank}, prefetch=0: the all-gather of unit {nxt} must wait until unit {here}'s forward "
-                        f"is done (no prefetch); events: {seen}. See handout 05b §4.")
-            for j, ag in enumerate(gathers):
-                before = _mark(step, f"fwd start {units[j]}")
-                assert step[ag].async_op is False or any(w < before for w in _waits_of(step, ag)), (
-                    f"rank {rank}, {name}: the all-gather of unit {units[j]} (#{ag}) was not waited on before the unit "
-                    f"computed with its weights: {context(step, ag, before)}. See handout 05b §3.")
+            out.append((rank, name, prefetch, step, execution_order(step)))
+    return out
+
+
+@pytest.mark.points(3)
+def test_prefetch_overlaps_the_forward(two_ranks) -> None:
+    _, shard, _, _ = transformer_layout(2)
+    for rank, name, prefetch, step, units in prefetch_steps(two_ranks):
+        gathers = _forward_gathers(step, units)
+        assert_equal([step[i].nbytes // 4 for i in gathers], [shard[u] for u in units], name=f"rank {rank}, "
+                     f"{name}: elements handed to each all-gather of the forward, in order (the j-th unit to run "
+                     "is gathered j-th)", section="handout 05b §4")
+        for j in range(len(units) - 1):
+            here, nxt, ag = units[j], units[j + 1], gathers[j + 1]
+            start, end = _mark(step, f"fwd start {here}"), _mark(step, f"fwd end {here}")
+            waits = _waits_of(step, ag)
+            seen = context(step, ag - 4, end + 1)
+            if prefetch:
+                assert step[ag].async_op and ag < end, (
+                    f"rank {rank}, prefetch=1: the all-gather of unit {nxt} must be issued asynchronously before "
+                    f"unit {here}'s forward finishes, so it overlaps that compute; events: {seen}. "
+                    "See handout 05b §4.")
+                assert waits and min(waits) > start, (
+                    f"rank {rank}, prefetch=1: the all-gather of unit {nxt} (#{ag}) was waited on before unit "
+                    f"{here} computed (or never): then nothing overlaps it; events: {seen}. See handout 05b §4.")
+            else:
+                assert ag > end, (
+                    f"rank {rank}, prefetch=0: the all-gather of unit {nxt} must wait until unit {here}'s forward "
+                    f"is done (no prefetch); events: {seen}. See handout 05b §4.")
+        for j, ag in enumerate(gathers):
+            before = _mark(step, f"fwd start {units[j]}")
+            assert step[ag].async_op is False or any(w < before for w in _waits_of(step, ag)), (
+                f"rank {rank}, {name}: the all-gather of unit {units[j]} (#{ag}) was not waited on before the unit "
+                f"computed with its weights: {context(step, ag, before)}. See handout 05b §3.")
 
 
 @pytest.mark.points(2)
@@ -884,30 +891,26 @@ def test_backward_prefetch_and_reduce_scatter_order(two_ranks) -> None:
     reduce-scatter with prefetch ≥ 1, after it without; each reduce-scatter starts as soon as its unit's
     gradient is ready, i.e. before the backward returns, and is waited on."""
     _, shard, _, world = transformer_layout(2)
-    for rank, result in enumerate(two_ranks.values("comm")):
-        for name, prefetch in (("reshard/fp32/prefetch1", 1), ("reshard/fp32/prefetch0", 0)):
-            events = result[name]["events"]
-            step = events[_mark(events, "micro-batch 0"):]
-            units = execution_order(step)
-            returned = _mark(step, "backward returned")
-            backward = [i for i, e in enumerate(step) if e.kind == "collective" and e.op == "all_gather"
-                        and i > _mark(step, f"fwd end {units[-1]}")]
-            scatters = [i for i, e in enumerate(step) if e.kind == "collective" and e.op == "reduce_scatter"]
-            assert_equal([step[i].nbytes // 4 // world for i in scatters], [shard[u] for u in units[::-1]],
-                         name=f"rank {rank}, {name}: shard elements of each reduce-scatter, in order (the units in "
-                         "reverse)", section="handout 05b §5")
-            assert all(i < returned for i in scatters) and all(step[i].async_op for i in scatters), (
-                f"rank {rank}, {name}: every reduce-scatter must be issued asynchronously during the backward, as soon "
-                f"as its unit's gradient is ready: {context(step, 0, len(step))}. See handout 05b §5.")
-            assert all(_waits_of(step, i) for i in scatters), (
-                f"rank {rank}, {name}: every reduce-scatter must be waited on (finish_gradient_synchronization). "
-                "See handout 05b §5.")
-            for j in range(1, len(units)):
-                ag, rs = backward[j], scatters[j - 1]
-                assert (ag < rs) if prefetch else (ag > rs), (
-                    f"rank {rank}, {name}: in the backward, the all-gather of {units[-1 - j]} (#{ag}) must be issued "
-                    f"{'before' if prefetch else 'after'} the reduce-scatter of {units[-j]} (#{rs}): "
-                    f"{context(step, min(ag, rs) - 2, max(ag, rs) + 1)}. See handout 05b §4.")
+    for rank, name, prefetch, step, units in prefetch_steps(two_ranks):
+        returned = _mark(step, "backward returned")
+        backward = [i for i, e in enumerate(step) if e.kind == "collective" and e.op == "all_gather"
+                    and i > _mark(step, f"fwd end {units[-1]}")]
+        scatters = [i for i, e in enumerate(step) if e.kind == "collective" and e.op == "reduce_scatter"]
+        assert_equal([step[i].nbytes // 4 // world for i in scatters], [shard[u] for u in units[::-1]],
+                     name=f"rank {rank}, {name}: shard elements of each reduce-scatter, in order (the units in "
+                     "reverse)", section="handout 05b §5")
+        assert all(i < returned for i in scatters) and all(step[i].async_op for i in scatters), (
+            f"rank {rank}, {name}: every reduce-scatter must be issued asynchronously during the backward, as soon "
+            f"as its unit's gradient is ready: {context(step, 0, len(step))}. See handout 05b §5.")
+        assert all(_waits_of(step, i) for i in scatters), (
+            f"rank {rank}, {name}: every reduce-scatter must be waited on (finish_gradient_synchronization). "
+            "See handout 05b §5.")
+        for j in range(1, len(units)):
+            ag, rs = backward[j], scatters[j - 1]
+            assert (ag < rs) if prefetch else (ag > rs), (
+                f"rank {rank}, {name}: in the backward, the all-gather of {units[-1 - j]} (#{ag}) must be issued "
+                f"{'before' if prefetch else 'after'} the reduce-scatter of {units[-j]} (#{rs}): "
+                f"{context(step, min(ag, rs) - 2, max(ag, rs) + 1)}. See handout 05b §4.")
 
 
 @pytest.mark.points(1)
