@@ -653,8 +653,9 @@ def test_fp32_matches_single_process_bit_for_bit_at_two_ranks(two_ranks) -> None
     average of two fp32 numbers is exact in either order (a+b = b+a, and /2 is exact)."""
     for key, runs in _per_run(two_ranks.values("train_fp32")):
         for rank, r in enumerate(runs):
-            compare(r["fsdp"], r["same"], f"rank {rank} of 2, {key}, {STEPS} steps: gather_full_params() vs "
-                    "single-process training averaging the ranks' gradients", "handout 05b §5")
+            compare(r["fsdp"], r["same"], f"rank {rank} of the 2-rank group {PAIR} (of 3 ranks), {key}, {STEPS} "
+                    "steps: gather_full_params() vs single-process training averaging the ranks' gradients",
+                    "handout 05b §5")
 
 
 @pytest.mark.points(3)
@@ -690,10 +691,11 @@ def test_mixed_precision_matches_the_same_casts(two_ranks) -> None:
         for rank, r in enumerate(runs):
             assert_equal(r["dtypes"], ["torch.float32"], name=f"rank {rank}, {key}: dtypes of the parameters, their "
                          "gradients and the optimizer state (master copies stay fp32)", section="handout 05b §8")
-            compare(r["fsdp"], r["same"], f"rank {rank} of 2, {key}: gather_full_params() vs the single process "
-                    "casting the units' weights the same way", "handout 05b §8")
-            compare(r["fsdp_first"], r["whole_first"], f"rank {rank} of 2, {key}, after one step: vs the same casts "
-                    "on the whole batch", "handout 05b §8", bound=r["whole_first_bound"])
+            where = f"rank {rank} of the 2-rank group {PAIR} (of 3 ranks), {key}"
+            compare(r["fsdp"], r["same"], f"{where}: gather_full_params() vs the single process casting the units' "
+                    "weights the same way", "handout 05b §8")
+            compare(r["fsdp_first"], r["whole_first"], f"{where}, after one step: vs the same casts on the whole "
+                    "batch", "handout 05b §8", bound=r["whole_first_bound"])
 
 
 def _per_run(results: list[dict[str, Any]]) -> list[tuple[str, list[dict[str, Any]]]]:
