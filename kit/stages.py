@@ -55,7 +55,7 @@ STAGES: tuple[Stage, ...] = (
           ("test_stage3_*.py", "hidden/test_stage3_*.py")),
     Stage(4, "Distributed data parallel", ("ddp", "collectives"), ("04-ddp.md",),
           ("test_stage4_*.py", "hidden/test_stage4_*.py")),
-    Stage(5, "ZeRO-1 sharding", ("zero",), ("05-zero.md",),
+    Stage(5, "Sharded data parallel: ZeRO-1 and FSDP", ("zero", "fsdp"), ("05-zero.md", "05b-fsdp.md"),
           ("test_stage5_*.py", "hidden/test_stage5_*.py")),
     Stage(6, "4D parallelism", ("parallel",), ("06-4d-parallelism.md",),
           ("test_stage6_*.py", "hidden/test_stage6_*.py")),
