@@ -54,7 +54,8 @@ FRAME_ATTRIBUTES = frozenset({"f_back", "f_locals", "f_globals", "tb_frame", "gi
 # (module, attribute path) of everything a passing verdict depends on.
 GUARDED = (
     ("torch.testing", "assert_close"), ("torch", "allclose"), ("torch", "equal"), ("torch", "isclose"),
-    ("kit.testing", "assert_close"), ("kit.testing", "assert_equal"), ("pytest", "approx"), ("pytest", "raises"),
+    ("kit.testing", "assert_close"), ("kit.testing", "assert_equal"), ("kit.testing", "raises"),
+    ("kit.testing", "raises.__exit__"), ("pytest", "approx"), ("pytest", "raises"),
     ("_pytest.runner", "call_and_report"), ("_pytest.runner", "call_runtest_hook"),
     ("_pytest.runner", "pytest_runtest_makereport"), ("_pytest.reports", "TestReport.from_item_and_call"),
     ("_pytest.python", "Function.runtest"), ("_pytest.python", "pytest_pyfunc_call"),
