@@ -18,7 +18,15 @@ runs the stage's **public** tests until the first failure, and reports it:
   named in ``hidden_test`` catches it (checked: a justified survivor that its hidden test misses fails).
 
 A catalogue entry whose ``find`` text no longer occurs in the reference is an error, so the catalogue
-cannot silently drift from the code. The exit status is non-zero when any mutant is not accounted for.
+cannot silently drift from the code.
+
+The other half of a meaningful grade is that *reasonable designs pass*. ``tests/kit/designs/stage<N>/<name>/``
+holds alternative implementations (complete modules named as in ``reference/``, e.g. ``ddp.py``, plus a
+``README.md`` saying how the design differs). Each is overlaid on the reference and must pass every public
+and hidden test of its stage (verdict ``passed``; ``failed`` names the first failing test). They run with the
+stage's mutants (``--designs-only`` runs just them).
+
+The exit status is non-zero when any mutant is not accounted for or any design fails.
 """
 
 from __future__ import annotations
@@ -42,6 +50,7 @@ from kit import stages as stage_registry
 
 ROOT = Path(__file__).resolve().parent.parent
 CATALOGUE = ROOT / "tests" / "kit" / "mutants"
+DESIGNS = ROOT / "tests" / "kit" / "designs"
 OUTPUT = ROOT / "mutants-output"
 
 
@@ -78,7 +87,7 @@ class Verdict:
     stage: int
     name: str
     mistake: str
-    verdict: str  # killed | survived | justified | unpointed | hidden-missed | stale | error
+    verdict: str  # killed | survived | justified | unpointed | hidden-missed | stale | error | passed | failed
     test: str = ""
     message: str = ""
     seconds: float = 0.0
@@ -86,7 +95,7 @@ class Verdict:
 
     @property
     def accounted(self) -> bool:
-        return self.verdict in ("killed", "justified")
+        return self.verdict in ("killed", "justified", "passed")
 
 
 def load_catalogue(stage: int, catalogue: Path = CATALOGUE) -> list[Mutant]:
@@ -146,12 +155,15 @@ def first_failure(junit: Path) -> tuple[str, str] | None:
     return None
 
 
-def run_tests(tree: Path, stage: int, *, hidden_test: str = "", timeout: float = 900.0) -> tuple[int, Path, str]:
-    """Run the stage's public tests (or one hidden test) in ``tree`` until the first failure."""
+def run_tests(tree: Path, stage: int, *, hidden_test: str = "", everything: bool = False,
+              timeout: float = 900.0) -> tuple[int, Path, str]:
+    """Run the stage's public tests (or one hidden test, or public and hidden) in ``tree`` until the first failure."""
     junit = tree / f"junit-{time.monotonic_ns()}.xml"
     marker = stage_registry.get(stage).marker
     if hidden_test:
         selection = ["tests/hidden", "-m", marker, "-k", hidden_test]
+    elif everything:
+        selection = ["tests", "-m", marker]
     else:
         selection = ["tests", "-m", f"{marker} and not hidden", "--ignore=tests/hidden"]
     cmd = [sys.executable, "-m", "pytest", *selection, "-x", "-q", "-p", "no:cacheprovider", "--impl", "student",
@@ -214,6 +226,55 @@ def judge(stage: int, mutant: Mutant, tree: Path, timeout: float) -> Verdict:
     return verdict
 
 
+def load_designs(stage: int, designs: Path = DESIGNS) -> list[Path]:
+    """The alternative-design folders of one stage (each holds replacement modules for ``reference/``)."""
+    folder = designs / f"stage{stage}"
+    return sorted(p for p in folder.iterdir() if p.is_dir() and not p.name.startswith(("_", "."))) \
+        if folder.is_dir() else []
+
+
+def overlay(design: Path, package: Path) -> list[str]:
+    """Copy the design's modules over the package; the relative paths it replaced."""
+    replaced = []
+    for module in sorted(design.rglob("*.py")):
+        rel = module.relative_to(design)
+        if not (package / rel).exists():
+            raise LookupError(f"design {design.name}: {rel} is not a module of reference/ (a design replaces "
+                              "modules; it cannot add new ones the tests would never import)")
+        shutil.copy2(module, package / rel)
+        replaced.append(str(rel))
+    if not replaced:
+        raise LookupError(f"design {design.name}: holds no .py module")
+    return replaced
+
+
+def judge_design(stage: int, design: Path, tree: Path, timeout: float) -> Verdict:
+    """Overlay a design on a fresh copy of the reference; every public and hidden test of the stage must pass."""
+    readme = design / "README.md"
+    summary = readme.read_text().strip().splitlines()[0].lstrip("# ") if readme.exists() else ""
+    verdict = Verdict(stage, f"design:{design.name}", summary, "error")
+    start = time.monotonic()
+    package = tree / "student"
+    shutil.rmtree(package, ignore_errors=True)
+    shutil.copytree(tree / "student.pristine", package)
+    try:
+        verdict.notes.append("replaces " + ", ".join(overlay(design, package)))
+    except LookupError as exc:
+        verdict.message = str(exc)
+        return verdict
+    code, junit, output = run_tests(tree, stage, everything=True, timeout=timeout)
+    failure = first_failure(junit)
+    if code == 0:
+        verdict.verdict = "passed"
+    elif failure is None:
+        verdict.verdict, verdict.message = "failed", _headline(output)
+    else:
+        verdict.verdict = "failed"
+        verdict.test, verdict.message = failure[0], _headline(failure[1])
+    verdict.seconds = round(time.monotonic() - start, 1)
+    return verdict
+
+
 def baseline_passes(tree: Path, stage: int, timeout: float) -> str:
     """'' when the unmutated reference passes the stage's public tests in this tree, else why not."""
     code, junit, output = run_tests(tree, stage, timeout=timeout)
@@ -233,7 +294,8 @@ def changed_stages(root: Path = ROOT) -> list[int]:
     chosen = []
     for s in stage_registry.STAGES:
         owned = {f"tests/kit/mutants/stage{s.number}.py"} | {str(p.relative_to(root)) for p in s.test_paths(root)}
-        prefixes = tuple(f"reference/{m}{end}" for m in s.modules for end in (".py", "/"))
+        prefixes = tuple(f"reference/{m}{end}" for m in s.modules for end in (".py", "/")) \
+            + (f"tests/kit/designs/stage{s.number}/",)
         if any(f in owned or f.startswith(prefixes) for f in files):
             chosen.append(s.number)
     if chosen:
@@ -243,16 +305,17 @@ def changed_stages(root: Path = ROOT) -> list[int]:
 
 
 def run(stages: list[int], *, only: list[str] | None = None, timeout: float = 900.0, baseline: bool = True,
-        out: Path = OUTPUT) -> list[Verdict]:
-    """Judge every catalogued mutant of ``stages``; print a table per stage and write ``out/stage<N>.{md,json}``."""
+        designs: bool = True, mutants_too: bool = True, out: Path = OUTPUT) -> list[Verdict]:
+    """Judge every catalogued mutant and design of ``stages``; print a table per stage, write ``out/stage<N>.*``."""
     from tqdm import tqdm
 
     verdicts: list[Verdict] = []
     out.mkdir(parents=True, exist_ok=True)
     for stage in stages:
-        mutants = [m for m in load_catalogue(stage) if not only or m.name in only]
-        if not mutants:
-            print(f"stage {stage}: no catalogued mutants" + (f" named {only}" if only else ""))
+        mutants = [m for m in load_catalogue(stage) if not only or m.name in only] if mutants_too else []
+        alternatives = [d for d in load_designs(stage) if not only or f"design:{d.name}" in only] if designs else []
+        if not mutants and not alternatives:
+            print(f"stage {stage}: no catalogued mutants or designs" + (f" named {only}" if only else ""))
             continue
         with tempfile.TemporaryDirectory(prefix=f"kit-mutants-{stage}-") as tmp:
             tree = build_tree(Path(tmp))
@@ -263,6 +326,8 @@ def run(stages: list[int], *, only: list[str] | None = None, timeout: float = 90
                                    f"mutant tree, so no verdict would mean anything: {why}")
             stage_verdicts = [judge(stage, m, tree, timeout)
                               for m in tqdm(mutants, desc=f"stage {stage} mutants", unit="mutant")]
+            stage_verdicts += [judge_design(stage, d, tree, timeout)
+                               for d in tqdm(alternatives, desc=f"stage {stage} designs", unit="design")]
         verdicts += stage_verdicts
         report = format_report(stage, stage_verdicts)
         print(report)
@@ -272,9 +337,12 @@ def run(stages: list[int], *, only: list[str] | None = None, timeout: float = 90
 
 
 def format_report(stage: int, verdicts: list[Verdict]) -> str:
-    killed = sum(v.accounted for v in verdicts)
-    lines = [f"## Stage {stage} — {stage_registry.get(stage).title}: {killed}/{len(verdicts)} mistakes caught", "",
-             "| mutant | verdict | caught by | message | s |", "|---|---|---|---|---|"]
+    mistakes = [v for v in verdicts if not v.name.startswith("design:")]
+    designs = [v for v in verdicts if v.name.startswith("design:")]
+    lines = [f"## Stage {stage} — {stage_registry.get(stage).title}: "
+             f"{sum(v.accounted for v in mistakes)}/{len(mistakes)} mistakes caught, "
+             f"{sum(v.accounted for v in designs)}/{len(designs)} alternative designs pass", "",
+             "| mutant or design | verdict | caught by / first failure | message | s |", "|---|---|---|---|---|"]
     for v in verdicts:
         message = (v.message + ("; " + "; ".join(v.notes) if v.notes else "")).replace("|", "\\|")
         lines.append(f"| {v.name} | {v.verdict} | {v.test} | {message[:300]} | {v.seconds:g} |")
@@ -287,6 +355,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", help="only these mutants (comma-separated names)")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per test run")
     parser.add_argument("--no-baseline", action="store_true", help="skip checking that the reference passes first")
+    parser.add_argument("--designs-only", action="store_true", help="only the alternative designs (tests/kit/designs)")
+    parser.add_argument("--no-designs", action="store_true", help="only the mutants")
     args = parser.parse_args(argv)
     if args.stage == "auto":
         chosen = changed_stages()
@@ -296,10 +366,10 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as exc:
             parser.error(str(exc))
     verdicts = run(chosen, only=args.only.split(",") if args.only else None, timeout=args.timeout,
-                   baseline=not args.no_baseline)
+                   baseline=not args.no_baseline, designs=not args.no_designs, mutants_too=not args.designs_only)
     bad = [v for v in verdicts if not v.accounted]
     missing = ", ".join(f"stage {v.stage} {v.name} ({v.verdict})" for v in bad)
-    print(f"\n{len(verdicts) - len(bad)}/{len(verdicts)} catalogued mistakes caught"
+    print(f"\n{len(verdicts) - len(bad)}/{len(verdicts)} catalogued mistakes caught and designs passed"
           + (f"; not accounted for: {missing}" if bad else ""))
     return 1 if bad or not verdicts else 0
 
