@@ -2,7 +2,7 @@
 
     python -m kit mutants                  # every stage's catalogue
     python -m kit mutants --stage 4        # one stage (``make mutants STAGE=4``)
-    python -m kit mutants --stage auto     # the stages the last commit touched, else one by rotation (CI)
+    python -m kit mutants --stage auto     # one stage the last commit touched, else one by rotation (CI)
     python -m kit mutants --stage 4 --only sum-not-average
 
 A grade means something only if wrong answers lose points. The catalogue (``tests/kit/mutants/stage<N>.py``,
@@ -50,7 +50,6 @@ from kit import stages as stage_registry
 
 ROOT = Path(__file__).resolve().parent.parent
 CATALOGUE = ROOT / "tests" / "kit" / "mutants"
-DESIGNS = ROOT / "tests" / "kit" / "designs"
 OUTPUT = ROOT / "mutants-output"
 
 
@@ -179,7 +178,7 @@ def run_tests(tree: Path, stage: int, *, hidden_test: str = "", everything: bool
         return -1, junit, f"timed out after {timeout:g} s\n{out}"
 
 
-def _headline(message: str) -> str:
+def headline(message: str) -> str:
     for line in message.splitlines():
         line = line.strip().removeprefix("E").strip()
         if line and not line.startswith(("def ", "File ", "Traceback", "_ _", "---", "self =")):
@@ -212,65 +211,16 @@ def judge(stage: int, mutant: Mutant, tree: Path, timeout: float) -> Verdict:
             hcode, hjunit, _ = run_tests(tree, stage, hidden_test=mutant.hidden_test, timeout=timeout)
             caught = first_failure(hjunit)
             verdict.verdict = "justified" if hcode != 0 and caught else "hidden-missed"
-            verdict.test, verdict.message = (caught[0], _headline(caught[1])) if caught else (mutant.hidden_test, "")
+            verdict.test, verdict.message = (caught[0], headline(caught[1])) if caught else (mutant.hidden_test, "")
             verdict.notes.append(f"survives the public tests: {mutant.survives}")
     elif failure is None:
-        verdict.verdict, verdict.message = "error", _headline(output)
+        verdict.verdict, verdict.message = "error", headline(output)
     else:
-        verdict.test, verdict.message = failure[0], _headline(failure[1])
+        verdict.test, verdict.message = failure[0], headline(failure[1])
         pointed = not mutant.expect or re.search(mutant.expect, failure[1], re.I | re.S)
         verdict.verdict = "killed" if pointed else "unpointed"
         if not pointed:
             verdict.notes.append(f"the message does not match /{mutant.expect}/")
-    verdict.seconds = round(time.monotonic() - start, 1)
-    return verdict
-
-
-def load_designs(stage: int, designs: Path = DESIGNS) -> list[Path]:
-    """The alternative-design folders of one stage (each holds replacement modules for ``reference/``)."""
-    folder = designs / f"stage{stage}"
-    return sorted(p for p in folder.iterdir() if p.is_dir() and not p.name.startswith(("_", "."))) \
-        if folder.is_dir() else []
-
-
-def overlay(design: Path, package: Path) -> list[str]:
-    """Copy the design's modules over the package; the relative paths it replaced."""
-    replaced = []
-    for module in sorted(design.rglob("*.py")):
-        rel = module.relative_to(design)
-        if not (package / rel).exists():
-            raise LookupError(f"design {design.name}: {rel} is not a module of reference/ (a design replaces "
-                              "modules; it cannot add new ones the tests would never import)")
-        shutil.copy2(module, package / rel)
-        replaced.append(str(rel))
-    if not replaced:
-        raise LookupError(f"design {design.name}: holds no .py module")
-    return replaced
-
-
-def judge_design(stage: int, design: Path, tree: Path, timeout: float) -> Verdict:
-    """Overlay a design on a fresh copy of the reference; every public and hidden test of the stage must pass."""
-    readme = design / "README.md"
-    summary = readme.read_text().strip().splitlines()[0].lstrip("# ") if readme.exists() else ""
-    verdict = Verdict(stage, f"design:{design.name}", summary, "error")
-    start = time.monotonic()
-    package = tree / "student"
-    shutil.rmtree(package, ignore_errors=True)
-    shutil.copytree(tree / "student.pristine", package)
-    try:
-        verdict.notes.append("replaces " + ", ".join(overlay(design, package)))
-    except LookupError as exc:
-        verdict.message = str(exc)
-        return verdict
-    code, junit, output = run_tests(tree, stage, everything=True, timeout=timeout)
-    failure = first_failure(junit)
-    if code == 0:
-        verdict.verdict = "passed"
-    elif failure is None:
-        verdict.verdict, verdict.message = "failed", _headline(output)
-    else:
-        verdict.verdict = "failed"
-        verdict.test, verdict.message = failure[0], _headline(failure[1])
     verdict.seconds = round(time.monotonic() - start, 1)
     return verdict
 
@@ -281,11 +231,12 @@ def baseline_passes(tree: Path, stage: int, timeout: float) -> str:
     if code == 0:
         return ""
     failure = first_failure(junit)
-    return f"{failure[0]}: {_headline(failure[1])}" if failure else _headline(output)
+    return f"{failure[0]}: {headline(failure[1])}" if failure else headline(output)
 
 
 def changed_stages(root: Path = ROOT) -> list[int]:
-    """Stages whose reference modules, tests or catalogue the last commit changed; else one by rotation."""
+    """One stage for CI: of those whose modules, tests, catalogue or designs the last commit changed (else of
+    all stages), the one today's date picks — so CI stays within its time budget and every stage gets its turn."""
     try:
         files = subprocess.run(["git", "diff", "--name-only", "HEAD~1", "HEAD"], cwd=root, capture_output=True,
                                text=True, timeout=30).stdout.split()
@@ -298,9 +249,7 @@ def changed_stages(root: Path = ROOT) -> list[int]:
             + (f"tests/kit/designs/stage{s.number}/",)
         if any(f in owned or f.startswith(prefixes) for f in files):
             chosen.append(s.number)
-    if chosen:
-        return chosen
-    numbers = stage_registry.numbers()
+    numbers = chosen or stage_registry.numbers()
     return [numbers[dt.date.today().toordinal() % len(numbers)]]
 
 
@@ -309,11 +258,14 @@ def run(stages: list[int], *, only: list[str] | None = None, timeout: float = 90
     """Judge every catalogued mutant and design of ``stages``; print a table per stage, write ``out/stage<N>.*``."""
     from tqdm import tqdm
 
+    from kit.designs import judge_design
+    from kit.designs import load_designs as designs_of
+
     verdicts: list[Verdict] = []
     out.mkdir(parents=True, exist_ok=True)
     for stage in stages:
         mutants = [m for m in load_catalogue(stage) if not only or m.name in only] if mutants_too else []
-        alternatives = [d for d in load_designs(stage) if not only or f"design:{d.name}" in only] if designs else []
+        alternatives = [d for d in designs_of(stage) if not only or f"design:{d.name}" in only] if designs else []
         if not mutants and not alternatives:
             print(f"stage {stage}: no catalogued mutants or designs" + (f" named {only}" if only else ""))
             continue
