@@ -146,7 +146,12 @@ def _moe_check(impl):
 
 
 def _bad_input_check(impl):
-    """Each entry: the exception type name raised (or 'none')."""
+    """Each entry: the exception type name raised (or 'none').
+
+    A check that rejects the bad input is only half the job: the ``valid_*`` entries make the same calls with
+    input one step away from the bad one, which must be accepted (so the argument checks alone — given code in
+    the guided stubs — earn nothing, and a check that rejects everything is caught).
+    """
     def raised(fn) -> str:
         try:
             fn()
@@ -154,13 +159,26 @@ def _bad_input_check(impl):
             return type(exc).__name__
         return "none"
 
+    def accepted(fn) -> str:
+        try:
+            fn()
+        except Exception as exc:  # noqa: BLE001 — the test reports whatever went wrong, stubs included
+            return f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
+        return "accepted"
+
     torch.manual_seed(0)
     three_heads = TransformerLM(ModelConfig(vocab_size=16, context_length=8, d_model=12, d_ff=24, num_layers=1,
                                             num_heads=3)).layers[0]
     odd_ff = TransformerLM(ModelConfig(vocab_size=16, context_length=8, d_model=16, d_ff=25, num_layers=1,
                                        num_heads=2)).layers[0]
     three_experts = impl.parallel.expert_parallel.MoEFeedForward(8, 8, 3, top_k=1)
+    four_heads = TransformerLM(ModelConfig(vocab_size=16, context_length=8, d_model=16, d_ff=24, num_layers=1,
+                                           num_heads=4)).layers[0]
+    four_experts = impl.parallel.expert_parallel.MoEFeedForward(8, 8, 4, top_k=1)
     return {
+        "valid_block": accepted(lambda: impl.parallel.tensor_parallel.parallelize_block(four_heads, None)),
+        "valid_moe": accepted(lambda: impl.parallel.expert_parallel.parallelize_moe(four_experts, None)),
+        "valid_mesh": accepted(lambda: impl.parallel.mesh.build_mesh(dp=2, tp=1, pp=1, ep=1, device_type="cpu")),
         "heads_not_divisible": raised(lambda: impl.parallel.tensor_parallel.parallelize_block(three_heads, None)),
         "d_ff_not_divisible": raised(lambda: impl.parallel.tensor_parallel.parallelize_block(odd_ff, None)),
         "experts_not_divisible": raised(lambda: impl.parallel.expert_parallel.parallelize_moe(three_experts, None)),
@@ -445,3 +463,9 @@ def test_bad_input_is_rejected(alone):
                        ("experts_not_divisible", "ValueError"), ("mesh_wrong_product", "ValueError"),
                        ("mesh_zero_axis", "ValueError")):
         assert_equal(v[case], kind, name=f"error raised for {case.replace('_', ' ')}", section="handout 06 §1–4")
+    for case, call in (("valid_block", "parallelize_block on a 4-head block over 2 ranks"),
+                       ("valid_moe", "parallelize_moe with 4 experts over 2 ranks"),
+                       ("valid_mesh", "build_mesh(dp=2, tp=1, pp=1, ep=1) on 2 ranks")):
+        assert v[case] == "accepted", (
+            f"{call} must be accepted — it is one step from the bad input above, so a check that rejects it is "
+            f"wrong, and an argument check alone is not the function; it raised {v[case]} (handout 06 §1–4)")
