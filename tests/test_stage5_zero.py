@@ -193,8 +193,35 @@ def resume_section(checkpoint: dict[str, Any] | Failure) -> dict[str, Any]:
     return {"params": snapshot(model), "reference": snapshot(reference), "loaded_state_names": loaded_names}
 
 
+def bad_inputs_section() -> bool:
+    """What a constructed optimizer must refuse (handout 05 §2, §4): checks that live in the solution."""
+    impl = kit.impl.load()
+    model = make_model("toy")
+    first, second, third = model[0], model[2], model[4]
+    optimizer = impl.zero.ShardedOptimizer([first.weight, first.bias], torch.optim.AdamW, **ADAMW)
+    s = "handout 05 §2"
+    with raises(ValueError, what="add_param_group({'params': [w]}) with w already in the optimizer", section=s):
+        optimizer.add_param_group({"params": [first.weight]})
+    with raises(ValueError, what="add_param_group({'params': [w, w]}) (a new parameter twice in the group)",
+                section=s):
+        optimizer.add_param_group({"params": [second.weight, second.weight]})
+    optimizer.add_param_group({"params": [third.weight, third.bias], "lr": 3e-2})  # a valid group is accepted
+    assert_equal([len(g["params"]) for g in optimizer.param_groups], [2, 2], name="parameters per group after "
+                 "two refused add_param_group calls and one accepted", section=s)
+    good = {"state": {}, "param_groups": [{**ADAMW, "params": [0, 1]}, {**ADAMW, "lr": 3e-2, "params": [2, 3]}]}
+    with raises(ValueError, what="load_state_dict with one param group where the optimizer has two",
+                section="handout 05 §4"):
+        optimizer.load_state_dict({"state": {}, "param_groups": good["param_groups"][:1]})
+    with raises(ValueError, what="load_state_dict whose second group has 1 parameter where the optimizer's has 2",
+                section="handout 05 §4"):
+        optimizer.load_state_dict({"state": {}, "param_groups": [good["param_groups"][0],
+                                                                 {**good["param_groups"][1], "params": [2]}]})
+    return True
+
+
 def two_rank_checks() -> dict[str, tuple[bool, Any]]:
     return run_checks({
+        "bad_inputs": bad_inputs_section,
         "toy": lambda: equivalence_section("toy"),
         "transformer": lambda: equivalence_section("transformer"),
         "balance": balance_section,
@@ -378,12 +405,13 @@ def test_memory_accounting_formulas_and_communication(impl) -> None:
 
 
 # ----------------------------------------------------------------------------------------------------
-# Bad input (no ranks needed: the checks come before any communication)
+# Bad input: the given checks before any communication, and the refusals of a constructed optimizer
 # ----------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.points(1)
-def test_bad_inputs_raise_clear_errors(impl) -> None:
+def test_bad_inputs_raise_clear_errors(impl, two_ranks) -> None:
+    two_ranks.values("bad_inputs")  # refusals of a constructed optimizer, in the ranks (raises the first failure)
     ShardedOptimizer = impl.zero.ShardedOptimizer
     model = make_model("toy")
     s = "handout 05 §2"
