@@ -47,7 +47,7 @@ OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
 U32 = 2.0**-24  # unit roundoff of fp32
 PAIR = [0, 1]  # the 2-rank checks run on this group of the 3 ranks
 SUBGROUP = [1, 2]  # of the 3 ranks: a group that does not start at global rank 0
-TIMEOUT = 420.0  # seconds for the one spawn, start-up included, on a loaded 2-core machine
+TIMEOUT = 180.0  # seconds for the one spawn, start-up included: ~30 s on a loaded 2-core machine (load 11)
 
 
 # ----------------------------------------------------------------------------------------------------
