@@ -321,6 +321,8 @@ class ShardedOptimizer(Optimizer):
         # The local optimizer's own load_state_dict copies the tensors and casts them to each
         # parameter's device and dtype (keeping Adam's `step` counter as it is).
         self.local_optimizer.load_state_dict({"state": local_state, "param_groups": local_groups})
+        # Optimizer.load_state_dict builds a *new* state dict: point `state` at it again, or it stays stale.
+        self.state = self.local_optimizer.state
         self._copy_options(self.local_optimizer.param_groups, self.param_groups)
         # END SOLUTION
 

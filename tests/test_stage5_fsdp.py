@@ -47,7 +47,7 @@ OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
 U32 = 2.0**-24  # unit roundoff of fp32
 PAIR = [0, 1]  # the 2-rank checks run on this group of the 3 ranks
 SUBGROUP = [1, 2]  # of the 3 ranks: a group that does not start at global rank 0
-TIMEOUT = 420.0  # seconds for the one spawn, start-up included, on a loaded 2-core machine
+TIMEOUT = 180.0  # seconds for the one spawn, start-up included: ~30 s on a loaded 2-core machine (load 11)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -218,10 +218,13 @@ def snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def fsdp_train(impl: Any, kind: str, optimizer: str, *, steps: int = STEPS, group: Any = None,
-               seed: int = 1234, first: dict | None = None, **fsdp_options: Any) -> tuple[Any, torch.optim.Optimizer]:
+               seed: int = 1234, first: dict | None = None, calib: float | None = None,
+               **fsdp_options: Any) -> tuple[Any, torch.optim.Optimizer]:
     """FSDP on this rank's rows of each step's batch; ranks of ``group`` only. ``first`` receives the full
-    parameters after the first step, if given."""
+    parameters after the first step, if given; ``calib`` fills an extra (unused) buffer, if given."""
     model = make_model(kind, seed)
+    if calib is not None:
+        model.register_buffer("calib", torch.full((3,), calib))
     fsdp = impl.fsdp.FSDP(model, process_group=group, **fsdp_options)
     opt = make_optimizer(optimizer, fsdp.parameters())
     rank, world = dist.get_rank(group), dist.get_world_size(group)
@@ -384,7 +387,9 @@ def training_check(runs: list[tuple[str, str, torch.dtype | None]], group: Any =
 def construction_check(group: Any = None) -> dict[str, Any]:
     """Ranks start from different weights; afterwards all hold rank 0's, sharded. And bad input."""
     impl = kit.impl.load()
-    fsdp = impl.fsdp.FSDP(make_model("toy", seed=10 + dist.get_rank(group)), process_group=group, prefetch=0)
+    model = make_model("toy", seed=10 + dist.get_rank(group))
+    model.register_buffer("calib", torch.full((3,), float(dist.get_rank())))  # a buffer that differs by rank
+    fsdp = impl.fsdp.FSDP(model, process_group=group, prefetch=0)
     out = {"gathered": fsdp.gather_full_params(), "state_dict": fsdp.state_dict(),
            "shards": {n: (tuple(p.shape), p.dtype) for n, p in fsdp.module.named_parameters()},
            "unit_names": fsdp.unit_names, "replicated_names": fsdp.replicated_names}
@@ -413,8 +418,10 @@ def subgroup_check(group: Any) -> dict[str, Any] | None:
     if dist.get_rank() not in SUBGROUP:
         return None
     impl = kit.impl.load()
-    fsdp, _ = fsdp_train(impl, "transformer", "sgd", group=group, seed=1234 + 7 * (dist.get_rank() - 1))
-    return {"fsdp": fsdp.gather_full_params(), "reference": reference_run("transformer", "sgd", 2)["same"]}
+    fsdp, _ = fsdp_train(impl, "transformer", "sgd", group=group, seed=1234 + 7 * (dist.get_rank() - 1),
+                         calib=float(dist.get_rank()))
+    return {"fsdp": fsdp.gather_full_params(), "reference": reference_run("transformer", "sgd", 2)["same"],
+            "calib": fsdp.state_dict()["calib"]}
 
 
 COMM_CONFIGS = {  # name → FSDP options for a counted step of the Transformer
@@ -623,8 +630,9 @@ def test_construction_shards_and_agrees(two_ranks) -> None:
                          f"fsdp.module.{name} between steps", section="handout 05b §2")
         compare(r["gathered"], snapshot(source), f"rank {rank}: gather_full_params() after construction, ranks "
                 "having started from different weights (rank 0's must win)", "handout 05b §2")
-        compare(r["state_dict"], {k: v for k, v in source.state_dict().items()}, f"rank {rank}: state_dict() after "
-                "construction", "handout 05b §6")
+        compare(r["state_dict"], {**source.state_dict(), "calib": torch.zeros(3)}, f"rank {rank}: state_dict() "
+                "after construction (buffer calib started as the rank's number: rank 0's must win too)",
+                "handout 05b §2, §6")
 
 
 @pytest.mark.points(1)
@@ -762,6 +770,9 @@ def test_subgroup_not_starting_at_rank_zero(three_ranks) -> None:
         compare(results[rank]["fsdp"], results[rank]["reference"], f"global rank {rank}, FSDP over group {SUBGROUP} "
                 "(ranks started from different weights; group rank 0 = global rank 1 is the source) vs single-process "
                 "training at 2 ranks", "handout 05b §2")
+        assert_close(results[rank]["calib"], torch.full((3,), float(SUBGROUP[0])), name=f"global rank {rank}, FSDP "
+                     f"over group {SUBGROUP}: buffer calib (started as each rank's global number; the group's first "
+                     f"rank, global {SUBGROUP[0]}, must win)", section="handout 05b §2", rtol=0, atol=0)
 
 
 # ----------------------------------------------------------------------------------------------------

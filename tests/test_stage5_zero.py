@@ -29,8 +29,9 @@ TINY = ModelConfig(vocab_size=64, context_length=16, d_model=32, d_ff=64, num_la
 ADAMW = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
 STEPS = 10
 SAVE_AT = 5  # the 2-rank run checkpoints here; the 3-rank run resumes from it
-TIMEOUT = 240.0  # seconds for one spawn, start-up included, on a loaded 2-core machine
+TIMEOUT = 120.0  # seconds for one spawn, start-up included: ~25 s under load, so a hung collective costs 2 min, not 4
 TOL = {"rtol": 1e-5, "atol": 1e-6}
+SUBGROUP = [1, 2]  # of the 3 ranks: group rank 0 is global rank 1, so owner and src/dst ranks must be translated
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -193,21 +194,104 @@ def resume_section(checkpoint: dict[str, Any] | Failure) -> dict[str, Any]:
     return {"params": snapshot(model), "reference": snapshot(reference), "loaded_state_names": loaded_names}
 
 
+def bad_inputs_section() -> bool:
+    """What a constructed optimizer must refuse (handout 05 §2, §4): checks that live in the solution."""
+    impl = kit.impl.load()
+    model = make_model("toy")
+    first, second, third = model[0], model[2], model[4]
+    optimizer = impl.zero.ShardedOptimizer([first.weight, first.bias], torch.optim.AdamW, **ADAMW)
+    s = "handout 05 §2"
+    with raises(ValueError, what="add_param_group({'params': [w]}) with w already in the optimizer", section=s):
+        optimizer.add_param_group({"params": [first.weight]})
+    with raises(ValueError, what="add_param_group({'params': [w, w]}) (a new parameter twice in the group)",
+                section=s):
+        optimizer.add_param_group({"params": [second.weight, second.weight]})
+    optimizer.add_param_group({"params": [third.weight, third.bias], "lr": 3e-2})  # a valid group is accepted
+    assert_equal([len(g["params"]) for g in optimizer.param_groups], [2, 2], name="parameters per group after "
+                 "two refused add_param_group calls and one accepted", section=s)
+    good = {"state": {}, "param_groups": [{**ADAMW, "params": [0, 1]}, {**ADAMW, "lr": 3e-2, "params": [2, 3]}]}
+    with raises(ValueError, what="load_state_dict with one param group where the optimizer has two",
+                section="handout 05 §4"):
+        optimizer.load_state_dict({"state": {}, "param_groups": good["param_groups"][:1]})
+    with raises(ValueError, what="load_state_dict whose second group has 1 parameter where the optimizer's has 2",
+                section="handout 05 §4"):
+        optimizer.load_state_dict({"state": {}, "param_groups": [good["param_groups"][0],
+                                                                 {**good["param_groups"][1], "params": [2]}]})
+    return True
+
+
+def param_names_in_order(model: nn.Module) -> list[str]:
+    """Parameter names in the order of ``param_groups(model)``: a state dict's global indices."""
+    names = {p: n for n, p in model.named_parameters()}
+    return [names[p] for g in param_groups(model) for p in g["params"]]
+
+
+def reload_section(group: Any = None, members: list[int] | None = None) -> dict[str, Any] | None:
+    """Step twice (so the state is full), then load another run's checkpoint and train on.
+
+    The checkpoint is single-process AdamW's after SAVE_AT steps, so after the load every rank must hold
+    exactly the loaded state of its own parameters, and training on must equal AdamW for STEPS steps.
+    """
+    if members is not None and dist.get_rank() not in members:
+        return None
+    impl = kit.impl.load()
+    model = make_model("transformer")
+    optimizer = impl.zero.ShardedOptimizer(param_groups(model), torch.optim.AdamW, process_group=group, **ADAMW)
+    train(model, optimizer, "transformer", range(2))  # another trajectory: its state must not survive the load
+    saved_model, saved_optimizer = reference_run("transformer", SAVE_AT)
+    saved = saved_optimizer.state_dict()
+    model.load_state_dict(saved_model.state_dict())
+    optimizer.load_state_dict(saved)
+    names = {p: n for n, p in model.named_parameters()}
+    index = {n: i for i, n in enumerate(param_names_in_order(model))}
+    # Copies now: the loaded optimizer may share tensors with `saved` (AdamW keeps the `step` tensor itself).
+    loaded = {names[p]: _clone_state(state) for p, state in optimizer.state.items()}
+    saved_by_name = {n: _clone_state(saved["state"][i]) for n, i in index.items() if i in saved["state"]}
+    train(model, optimizer, "transformer", range(SAVE_AT, STEPS))
+    reference, _ = reference_run("transformer", STEPS)
+    return {"loaded": loaded, "saved": saved_by_name, "params": snapshot(model), "reference": snapshot(reference)}
+
+
+def _clone_state(state: dict[str, Any]) -> dict[str, Any]:
+    return {k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+
+
+def subgroup_section(group: Any) -> dict[str, Any] | None:
+    """Ranks [1, 2] of 3: the Transformer with two groups, as in the equivalence check."""
+    if dist.get_rank() not in SUBGROUP:
+        return None
+    impl = kit.impl.load()
+    model = make_model("transformer")
+    optimizer = impl.zero.ShardedOptimizer(param_groups(model), torch.optim.AdamW, process_group=group, **ADAMW)
+    train(model, optimizer, "transformer", range(STEPS))
+    names = {p: n for n, p in model.named_parameters()}
+    reference, ref_optimizer = reference_run("transformer", STEPS)
+    return {"params": snapshot(model), "reference": snapshot(reference),
+            "state_names": sorted(names[p] for p in optimizer.state),
+            "owners": {n: optimizer.owner_of(p) for n, p in model.named_parameters()},
+            "state_dict": optimizer.state_dict(), "reference_state_dict": ref_optimizer.state_dict()}
+
+
 def two_rank_checks() -> dict[str, tuple[bool, Any]]:
     return run_checks({
+        "bad_inputs": bad_inputs_section,
         "toy": lambda: equivalence_section("toy"),
         "transformer": lambda: equivalence_section("transformer"),
         "balance": balance_section,
         "add_group": add_group_section,
         "checkpoint": checkpoint_section,
+        "reload": reload_section,
     })
 
 
 def three_rank_checks(checkpoint: dict[str, Any] | Failure) -> dict[str, tuple[bool, Any]]:
+    sub = dist.new_group(SUBGROUP)  # every rank calls new_group, members or not
     return run_checks({
         "transformer": lambda: equivalence_section("transformer"),
         "balance": balance_section,
         "resume": lambda: resume_section(checkpoint),
+        "subgroup": lambda: subgroup_section(sub),
+        "subgroup_reload": lambda: reload_section(sub, SUBGROUP),
     })
 
 
@@ -378,12 +462,13 @@ def test_memory_accounting_formulas_and_communication(impl) -> None:
 
 
 # ----------------------------------------------------------------------------------------------------
-# Bad input (no ranks needed: the checks come before any communication)
+# Bad input: the given checks before any communication, and the refusals of a constructed optimizer
 # ----------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.points(1)
-def test_bad_inputs_raise_clear_errors(impl) -> None:
+def test_bad_inputs_raise_clear_errors(impl, two_ranks) -> None:
+    two_ranks.values("bad_inputs")  # refusals of a constructed optimizer, in the ranks (raises the first failure)
     ShardedOptimizer = impl.zero.ShardedOptimizer
     model = make_model("toy")
     s = "handout 05 §2"
@@ -420,6 +505,12 @@ def test_transformer_matches_single_process_adamw(two_ranks, three_ranks) -> Non
         for rank, result in enumerate(results.values("transformer")):
             assert_params_equal(result["params"], result["reference"], f"rank {rank} of {world_size}, Transformer "
                                 f"after {STEPS} AdamW steps vs single-process AdamW", "handout 05 §3")
+    subgroup = three_ranks.values("subgroup")
+    for rank in SUBGROUP:
+        assert_params_equal(subgroup[rank]["params"], subgroup[rank]["reference"], f"global rank {rank} of "
+                            f"process_group={SUBGROUP} (group rank {SUBGROUP.index(rank)}), Transformer after {STEPS} "
+                            "AdamW steps vs single-process AdamW — broadcast's src is a global rank",
+                            "handout 05 §3")
 
 
 @pytest.mark.points(3)
@@ -450,6 +541,19 @@ def test_state_only_for_owned_parameters(two_ranks, three_ranks) -> None:
             assert_equal(result["groups"], expected_groups, name=f"rank {rank} of {world_size}: (number of "
                          "parameters, lr, weight_decay) of each param group — all parameters, not just the "
                          "owned ones", section="handout 05 §2")
+    subgroup = three_ranks.values("subgroup")
+    trainable = set(three_ranks.values("transformer")[0]["trainable"])
+    for rank in SUBGROUP:
+        group_rank, result = SUBGROUP.index(rank), subgroup[rank]
+        owners = result["owners"]
+        assert set(owners.values()) <= {0, 1}, (
+            f"global rank {rank} of process_group={SUBGROUP}: owner_of returned ranks {sorted(set(owners.values()))}; "
+            "owners are ranks *within* the group (0 and 1 here), not global ranks. See handout 05 §2.")
+        owned = sorted(n for n in trainable if owners[n] == group_rank)
+        assert_equal(result["state_names"], owned, name=f"global rank {rank} (group rank {group_rank} of "
+                     f"{SUBGROUP}): parameters with optimizer state = the trainable ones it owns",
+                     section="handout 05 §2")
+
 
 
 @pytest.mark.points(2)
@@ -467,7 +571,7 @@ def test_add_param_group_after_steps(two_ranks) -> None:
 
 
 @pytest.mark.points(2)
-def test_state_dict_consolidated_on_rank0(two_ranks) -> None:
+def test_state_dict_consolidated_on_rank0(two_ranks, three_ranks) -> None:
     two_ranks.values("checkpoint")  # raises if the checkpoint section failed (e.g. a rank other than 0 returned one)
     results = two_ranks.values("transformer")
     assert results[1]["state_dict"] is None, "state_dict() returns None on ranks other than 0. See handout 05 §4."
@@ -485,10 +589,53 @@ def test_state_dict_consolidated_on_rank0(two_ranks) -> None:
         for key, value in state.items():
             assert_close(got["state"][index][key], value, name=f"state[{index}][{key!r}]", section="handout 05 §4",
                          **TOL)
+    subgroup = three_ranks.values("subgroup")
+    assert subgroup[SUBGROUP[1]]["state_dict"] is None, (
+        f"process_group={SUBGROUP}: state_dict() must return None on global rank {SUBGROUP[1]} (group rank 1). "
+        "See handout 05 §4.")
+    got, expected = subgroup[SUBGROUP[0]]["state_dict"], subgroup[SUBGROUP[0]]["reference_state_dict"]
+    assert got is not None, (f"process_group={SUBGROUP}: state_dict() returned None on global rank {SUBGROUP[0]}, "
+                             "the group's rank 0: gather_object's dst is a global rank. See handout 05 §4.")
+    assert_equal(sorted(got["state"]), sorted(expected["state"]), name=f"process_group={SUBGROUP}: indices with "
+                 "state", section="handout 05 §4")
+    for index, state in expected["state"].items():
+        for key, value in state.items():
+            assert_close(got["state"][index][key], value, name=f"process_group={SUBGROUP}: state[{index}][{key!r}]",
+                         section="handout 05 §4", **TOL)
+
+
+def assert_reloaded(results: list[dict[str, Any] | None], ranks: list[int], where: str) -> None:
+    """After stepping, then loading another run's checkpoint: each rank holds exactly its share of it."""
+    per_rank = {rank: set(results[rank]["loaded"]) for rank in ranks}
+    saved = results[ranks[0]]["saved"]
+    for rank in ranks:
+        result = results[rank]
+        for name, state in result["loaded"].items():
+            if name not in saved:
+                raise AssertionError(f"{where}, global rank {rank}: optimizer.state holds {name}, which the loaded "
+                                     "checkpoint has no state for: stale state from before load_state_dict. "
+                                     "See handout 05 §4.")
+            for key, value in saved[name].items():
+                assert_close(torch.as_tensor(state[key]).float(), torch.as_tensor(value).float(),
+                             name=f"{where}, global rank {rank}: optimizer.state[{name}][{key!r}] right after "
+                             "load_state_dict vs the loaded checkpoint (stale if it still shows the state from "
+                             "before the load: point self.state at the local optimizer's new state)",
+                             section="handout 05 §4", rtol=0, atol=0)
+    for a in ranks:
+        for b in ranks:
+            both = per_rank[a] & per_rank[b] if a < b else set()
+            assert not both, (f"{where}: after load_state_dict global ranks {a} and {b} both hold state for "
+                              f"{sorted(both)}; keep only the owned ones. See handout 05 §4.")
+    assert_equal(sorted(set().union(*per_rank.values())), sorted(saved), name=f"{where}: parameters with state "
+                 "after load_state_dict, over all ranks (every one the checkpoint has)", section="handout 05 §4")
+    for rank in ranks:
+        assert_params_equal(results[rank]["params"], results[rank]["reference"], f"{where}, global rank {rank}: "
+                            f"stepped twice, loaded AdamW's step-{SAVE_AT} checkpoint, trained to step {STEPS}, vs "
+                            f"AdamW for {STEPS} steps", "handout 05 §4")
 
 
 @pytest.mark.points(3)
-def test_resume_at_three_ranks_from_two(three_ranks) -> None:
+def test_resume_at_three_ranks_from_two(two_ranks, three_ranks) -> None:
     for rank, result in enumerate(three_ranks.values("resume")):
         assert_params_equal(result["params"], result["reference"], f"rank {rank} of 3: saved at step {SAVE_AT} "
                             f"with 2 ranks, resumed to step {STEPS}, vs AdamW for {STEPS} steps", "handout 05 §4")
@@ -497,6 +644,8 @@ def test_resume_at_three_ranks_from_two(three_ranks) -> None:
         "after load_state_dict two ranks hold state for the same parameter: keep only the owned ones. "
         "See handout 05 §4."
     )
+    assert_reloaded(two_ranks.values("reload"), [0, 1], "2 ranks")
+    assert_reloaded(three_ranks.values("subgroup_reload"), SUBGROUP, f"process_group={SUBGROUP} of 3 ranks")
 
 
 @pytest.mark.points(2)

@@ -1,0 +1,454 @@
+"""Stage 5 — ZeRO stage 1: shard the optimizer state over the data-parallel ranks (handout/05-zero.md).
+
+Data parallelism keeps a full copy of everything on every rank: parameters, gradients and the optimizer
+state. For Adam the state (two moments per parameter, plus an fp32 master copy under mixed precision)
+is the biggest of the three, and every rank holds an identical copy of it. ZeRO stage 1 removes that
+redundancy: every parameter gets one *owner* rank, only the owner keeps its optimizer state and applies
+its update, and then the owner sends the updated parameter to everybody else.
+
+    optimizer = ShardedOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3, weight_decay=0.1)
+    loss.backward()            # gradients must already agree across ranks (e.g. averaged by Stage 4's DDP)
+    optimizer.step()           # owners update their parameters, then broadcast them
+    optimizer.zero_grad()
+
+This is the teaching form used by ``torch.distributed.optim.ZeroRedundancyOptimizer``: whole parameters,
+assigned sorted-greedily by size, one broadcast per parameter from its owner. DeepSpeed and Megatron
+shard a flat, padded buffer instead (handout 05 §6).
+
+:func:`zero_memory_accounting` does the ZeRO paper's bookkeeping for stages 0–3: bytes per device for
+parameters, gradients and optimizer state, and the bytes each rank communicates per step.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.optim import Optimizer
+
+from kit.data import random_batch
+from kit.model import ModelConfig, TransformerLM, cross_entropy
+from kit.spawn import rank_device
+from kit.validate import choice, integer, non_negative_int, positive_int
+
+__all__ = [
+    "ZERO_STAGES",
+    "ShardedOptimizer",
+    "ZeroMemory",
+    "optimizer_state_bytes",
+    "partition_by_size",
+    "zero_memory_accounting",
+]
+
+
+
+# ----------------------------------------------------------------------------------------------------
+# Who owns which parameter
+# ----------------------------------------------------------------------------------------------------
+
+
+def partition_by_size(
+    numels: Sequence[int], world_size: int, loads: Sequence[int] | None = None
+) -> tuple[list[int], list[int]]:
+    """Assign items to ranks sorted-greedily: largest item first, each to the least-loaded rank.
+
+    This is the "longest processing time first" rule: after it, the loads (elements per rank) differ
+    by at most the largest single item. Ties go to the lowest rank, and equal items keep their input
+    order, so every rank computes the same assignment without talking to the others.
+
+    Args:
+        numels: the size (number of elements) of each item, e.g. ``[p.numel() for p in params]``.
+        world_size: the number of ranks, at least 1.
+        loads: elements each rank already owns (default all zero); pass the loads returned by an
+            earlier call to keep balancing when a new parameter group arrives.
+
+    Returns:
+        ``(owners, loads)``: ``owners[i]`` is the rank of item ``i``; ``loads[r]`` the elements rank ``r``
+        owns afterwards (a new list).
+    """
+    positive_int("world_size", world_size)
+    numels = [non_negative_int(f"numels[{i}]", n) for i, n in enumerate(numels)]
+    loads = [0] * world_size if loads is None else [non_negative_int(f"loads[{r}]", x) for r, x in enumerate(loads)]
+    if len(loads) != world_size:
+        raise ValueError(f"loads must hold {world_size} ints ≥ 0 (one per rank), got {loads!r}")
+    owners = [0] * len(numels)
+    heap = [(load, rank) for rank, load in enumerate(loads)]  # (load, rank): ties pop the lowest rank
+    heapq.heapify(heap)
+    for i in sorted(range(len(numels)), key=lambda i: (-numels[i], i)):
+        load, rank = heapq.heappop(heap)
+        owners[i] = rank
+        loads[rank] = load + numels[i]
+        heapq.heappush(heap, (loads[rank], rank))
+    return owners, loads
+
+
+# ----------------------------------------------------------------------------------------------------
+# The sharded optimizer
+# ----------------------------------------------------------------------------------------------------
+
+
+class ShardedOptimizer(Optimizer):
+    """ZeRO-1 (design: coalesced all-gather). Same public API as the reference; after ``step`` every rank packs
+    the parameters it owns into one flat buffer per dtype, padded to the largest rank's share, and a single
+    ``all_gather_into_tensor`` per dtype replaces the per-parameter broadcasts.
+
+    The owners live in ``self._owners_by_group`` (one list of group ranks per param group), and the local
+    optimizer is rebuilt from scratch on ``add_param_group`` (its state carried over by parameter).
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        optimizer_cls: type[Optimizer],
+        *,
+        process_group: Any = None,
+        **kwargs: Any,
+    ):
+        if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, Optimizer)):
+            hint = " (pass the class, e.g. torch.optim.AdamW, not an instance)" if isinstance(
+                optimizer_cls, Optimizer) else ""
+            raise TypeError(
+                f"optimizer_cls must be a torch.optim.Optimizer subclass, got {optimizer_cls!r}{hint}"
+            )
+        if isinstance(params, torch.Tensor):
+            raise TypeError("params must be an iterable of tensors or of param-group dicts, got a single tensor")
+        params = list(params)
+        groups = params if params and isinstance(params[0], dict) else [{"params": params}]
+        tensors = [t for g in groups for t in _tensors_in(g)]
+        if not tensors:
+            raise ValueError("params is empty: ShardedOptimizer needs at least one parameter to optimize")
+        _reject_repeats(tensors)
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("ShardedOptimizer needs an initialised process group")
+        self.process_group = process_group
+        self.world_size = dist.get_world_size(process_group)
+        self.rank = dist.get_rank(process_group)
+        self._cls, self._kwargs = optimizer_cls, dict(kwargs)
+        self._owners_by_group: list[list[int]] = []
+        self._rank_loads = [0] * self.world_size
+        self.local_optimizer: Optimizer | None = None
+        super().__init__(params, kwargs)
+        self._rebuild_local()
+
+    # -- ownership ---------------------------------------------------------------------------------------
+
+    def owner_of(self, param: torch.Tensor) -> int:
+        """The rank (within ``process_group``) that owns ``param``, keeps its state and sends it."""
+        for group, owners in zip(self.param_groups, self._owners_by_group):
+            for p, owner in zip(group["params"], owners):
+                if p is param:
+                    return owner
+        raise ValueError("owner_of: this tensor is not a parameter of the optimizer")
+
+    def _mine(self, gi: int) -> list[torch.Tensor]:
+        return [p for p, o in zip(self.param_groups[gi]["params"], self._owners_by_group[gi]) if o == self.rank]
+
+    def _rebuild_local(self) -> None:
+        """A fresh local optimizer over the owned parameters, one group per group; old state carried over."""
+        old_state = self.local_optimizer.state if self.local_optimizer is not None else {}
+        local_groups = []
+        for gi, group in enumerate(self.param_groups):
+            options = {k: v for k, v in group.items() if k not in ("params", "param_names")}
+            local_groups.append({**options, "params": self._mine(gi)})
+        self.local_optimizer = self._cls(local_groups, **self._kwargs)
+        for p, st in old_state.items():
+            self.local_optimizer.state[p] = st
+        for local, group in zip(self.local_optimizer.param_groups, self.param_groups):
+            group.update({k: v for k, v in local.items() if k not in ("params", "param_names")})
+        self.state = self.local_optimizer.state
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group on every rank; its parameters are balanced on top of the current loads."""
+        if not isinstance(param_group, dict):
+            raise TypeError(f"param_group must be a dict with a 'params' entry, got {type(param_group).__name__}")
+        if "params" not in param_group:
+            raise ValueError("param_group must have a 'params' entry (a tensor or a list of tensors)")
+        known = [p for g in self.param_groups for p in g["params"]]
+        _reject_repeats(_tensors_in(param_group), already=known)
+        super().add_param_group(dict(param_group))
+        owners, self._rank_loads = partition_by_size([p.numel() for p in self.param_groups[-1]["params"]],
+                                                     self.world_size, self._rank_loads)
+        self._owners_by_group.append(owners)
+        if self.local_optimizer is not None:
+            self._rebuild_local()
+
+    # -- the step --------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """Step the owned parameters, then one all-gather per dtype of every rank's packed, padded share."""
+        for local, group in zip(self.local_optimizer.param_groups, self.param_groups):
+            local.update({k: v for k, v in group.items() if k not in ("params", "param_names")})
+        if closure is None:
+            loss = self.local_optimizer.step()
+        else:
+            with torch.enable_grad():
+                loss = self.local_optimizer.step(closure)
+        by_kind: dict[tuple[torch.dtype, torch.device], list[tuple[torch.Tensor, int]]] = {}
+        for group, owners in zip(self.param_groups, self._owners_by_group):
+            for p, owner in zip(group["params"], owners):
+                by_kind.setdefault((p.dtype, p.device), []).append((p, owner))
+        for (dtype, device), items in by_kind.items():
+            per_rank = [[p for p, o in items if o == r] for r in range(self.world_size)]
+            width = max(sum(p.numel() for p in ps) for ps in per_rank)
+            if width == 0:
+                continue
+            send = torch.zeros(width, dtype=dtype, device=device)
+            offset = 0
+            for p in per_rank[self.rank]:
+                send[offset : offset + p.numel()] = p.detach().reshape(-1)
+                offset += p.numel()
+            recv = torch.empty(self.world_size * width, dtype=dtype, device=device)
+            dist.all_gather_into_tensor(recv, send, group=self.process_group)
+            for r, ps in enumerate(per_rank):
+                offset = r * width
+                for p in ps:
+                    p.copy_(recv[offset : offset + p.numel()].view_as(p))
+                    offset += p.numel()
+        return loss
+
+    # -- checkpoints -----------------------------------------------------------------------------------
+
+    def _flat_params(self) -> list[torch.Tensor]:
+        return [p for g in self.param_groups for p in g["params"]]
+
+    def state_dict(self) -> dict[str, Any] | None:  # type: ignore[override]
+        """The unsharded optimizer's state dict, consolidated on the group's rank 0 (None elsewhere)."""
+        flat = self._flat_params()
+        mine = {}
+        for p, st in self.local_optimizer.state.items():
+            index = next(i for i, q in enumerate(flat) if q is p)
+            mine[index] = _to_cpu(dict(st))
+        root = _global_rank(self.process_group, 0)
+        parts: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
+        dist.gather_object(mine, parts, dst=root, group=self.process_group)
+        if self.rank != 0:
+            return None
+        merged: dict[int, Any] = {}
+        for part in parts:
+            merged.update(part)
+        groups, start = [], 0
+        for g in self.param_groups:
+            saved = {k: v for k, v in g.items() if k != "params"}
+            saved["params"] = list(range(start, start + len(g["params"])))
+            start += len(g["params"])
+            groups.append(saved)
+        return {"state": {i: merged[i] for i in sorted(merged)}, "param_groups": groups}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load an unsharded-format state dict (any world size): keep the owned parameters' states."""
+        if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
+            raise TypeError("state_dict must be a dict with 'state' and 'param_groups' (from state_dict())")
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(
+                f"state_dict has {len(saved_groups)} param groups but this optimizer has {len(self.param_groups)}"
+            )
+        for i, (saved, group) in enumerate(zip(saved_groups, self.param_groups)):
+            if len(saved["params"]) != len(group["params"]):
+                raise ValueError(f"state_dict param group {i} has {len(saved['params'])} parameters, this "
+                                 f"optimizer's has {len(group['params'])}")
+        for saved, group in zip(saved_groups, self.param_groups):
+            group.update({k: v for k, v in saved.items() if k not in ("params", "param_names")})
+        self.local_optimizer = None  # forget every old state, then rebuild with the new options
+        self._rebuild_local()
+        # Let the local optimizer cast the owned states (device, dtype) through its own load_state_dict.
+        local_sd = self.local_optimizer.state_dict()
+        local_params = [p for g in self.local_optimizer.param_groups for p in g["params"]]
+        flat_index = {id(p): i for i, p in enumerate(self._flat_params())}
+        saved_index = [i for g in saved_groups for i in g["params"]]
+        local_sd["state"] = {}
+        for li, p in enumerate(local_params):
+            key = saved_index[flat_index[id(p)]]
+            if key in state_dict["state"]:
+                local_sd["state"][li] = state_dict["state"][key]
+        self.local_optimizer.load_state_dict(local_sd)
+        self.state = self.local_optimizer.state
+
+
+# ----------------------------------------------------------------------------------------------------
+# Given helpers: used by the code above; read them, no need to change them
+# ----------------------------------------------------------------------------------------------------
+
+
+def _global_rank(group: Any, group_rank: int) -> int:
+    """The global rank of rank ``group_rank`` of ``group`` (``None``: the default group).
+
+    Collectives take ``src``/``dst`` as *global* ranks even when ``group=`` is a subgroup.
+    """
+    return dist.get_global_rank(group if group is not None else dist.group.WORLD, group_rank)
+
+
+def _tensors_in(group: dict[str, Any]) -> list[torch.Tensor]:
+    """The tensors of a param group: ``params`` may be a tensor, a list of tensors or of (name, tensor)."""
+    if not isinstance(group, dict) or "params" not in group:
+        raise TypeError(f"each param group must be a dict with a 'params' entry, got {type(group).__name__}")
+    params = group["params"]
+    if isinstance(params, torch.Tensor):
+        return [params]
+    if isinstance(params, set):
+        raise TypeError("params must be an ordered collection (list or tuple), not a set: every rank must "
+                        "see the parameters in the same order")
+    tensors = [p[1] if isinstance(p, tuple) else p for p in params]
+    for t in tensors:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"params must hold tensors, got a {type(t).__name__}")
+    return tensors
+
+
+def _reject_repeats(tensors: list[torch.Tensor], already: Iterable[torch.Tensor] = ()) -> None:
+    """Raise ``ValueError`` if a tensor appears twice in ``tensors`` or is one of ``already``."""
+    seen = {id(t) for t in already}
+    for t in tensors:
+        if id(t) in seen:
+            raise ValueError(
+                f"params: a parameter of shape {tuple(t.shape)} appears twice; each parameter may be in the "
+                "optimizer once (it has one owner and one optimizer state)"
+            )
+        seen.add(id(t))
+
+
+def _to_cpu(value: Any) -> Any:
+    """``value`` with every tensor inside (dicts, lists, tuples) copied to the CPU."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_cpu(v) for v in value)
+    return value
+
+
+def optimizer_state_bytes(optimizer: Optimizer) -> int:
+    """Bytes of every tensor in ``optimizer.state`` on this rank (the thing ZeRO-1 shards).
+
+    Works for any optimizer: for a :class:`ShardedOptimizer` that is this rank's shard; for
+    ``ZeroRedundancyOptimizer`` pass its ``.optim`` (the local optimizer).
+    """
+    if not isinstance(optimizer, Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    total = 0
+    for state in optimizer.state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor):
+                total += value.numel() * value.element_size()
+    return total
+
+
+def state_bytes_by_group_size(model_config: dict, group_sizes: Sequence[int]) -> list[dict]:
+    """Per-rank bytes of a :class:`ShardedOptimizer` over the first N ranks, for each N in ``group_sizes``.
+
+    Given code (notebook 05 §3); run it on every rank of one spawn, e.g.
+    ``run_on_ranks(state_bytes_by_group_size, 4, args=(config, [1, 2, 3, 4]))``. For each N, ranks 0 … N−1
+    build the kit Transformer ``ModelConfig(**model_config)`` (same seed), run one AdamW step on one batch
+    and report ``{"world_size": N, "rank", "params", "state_bytes", "model_bytes"}``: the optimizer state
+    this rank holds, and its parameters + gradients + optimizer state.
+    """
+    cfg = ModelConfig(**model_config)
+    device = rank_device()
+    x, y = random_batch(1, cfg.context_length, cfg.vocab_size, device=device, seed=0)
+    rows = []
+    for n in group_sizes:
+        group = dist.new_group(list(range(n)))  # every rank calls new_group, members or not
+        if dist.get_rank() >= n:
+            continue
+        torch.manual_seed(0)
+        model = TransformerLM(cfg).to(device)
+        optimizer = ShardedOptimizer(model.parameters(), torch.optim.AdamW, process_group=group, lr=1e-3)
+        cross_entropy(model(x), y).backward()
+        optimizer.step()
+        state = optimizer_state_bytes(optimizer.local_optimizer)
+        weights = sum(t.numel() * t.element_size() for p in model.parameters() for t in (p, p.grad) if t is not None)
+        rows.append({"world_size": n, "rank": dist.get_rank(), "params": model.num_parameters(),
+                     "state_bytes": state, "model_bytes": weights + state})
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------------
+# Memory accounting (the ZeRO paper, arXiv 1910.02054, §3 and §7)
+# ----------------------------------------------------------------------------------------------------
+
+
+#: ZeRO stages: 0 is plain data parallelism; 1 shards the optimizer state, 2 also the gradients, 3 also the weights.
+ZERO_STAGES = (0, 1, 2, 3)
+
+
+@dataclass(frozen=True)
+class ZeroMemory:
+    """Per-device bytes at one ZeRO stage and world size, and the bytes each rank sends per step."""
+
+    stage: int
+    world_size: int
+    num_params: int
+    param_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int
+    comm_bytes_per_step: int
+
+    @property
+    def total_bytes(self) -> int:
+        """Parameters + gradients + optimizer state on one device (activations and buffers not included)."""
+        return self.param_bytes + self.grad_bytes + self.optimizer_bytes
+
+    def as_dict(self) -> dict[str, int]:
+        return {**asdict(self), "total_bytes": self.total_bytes}
+
+
+def zero_memory_accounting(
+    num_params: int,
+    world_size: int,
+    stage: int,
+    *,
+    param_bytes: int,
+    grad_bytes: int,
+    optimizer_bytes_per_param: int,
+) -> ZeroMemory:
+    """Model-state memory per device and communication per step for ZeRO stage 0 (plain DP) to 3.
+
+    With Ψ = ``num_params``, N = ``world_size`` and a shard of S = ⌈Ψ/N⌉ elements (a flat buffer padded to
+    a multiple of N, as DeepSpeed does), each device holds:
+
+    ======  ==============  ==============  ======================
+    stage   parameters      gradients       optimizer state
+    ======  ==============  ==============  ======================
+    0       Ψ·param_bytes   Ψ·grad_bytes    Ψ·optimizer_bytes
+    1       Ψ·param_bytes   Ψ·grad_bytes    S·optimizer_bytes
+    2       Ψ·param_bytes   S·grad_bytes    S·optimizer_bytes
+    3       S·param_bytes   S·grad_bytes    S·optimizer_bytes
+    ======  ==============  ==============  ======================
+
+    Mixed-precision Adam is ``param_bytes=2, grad_bytes=2, optimizer_bytes_per_param=12`` (fp32 master
+    weights, momentum and variance): 16Ψ at stage 0, 4Ψ + 12Ψ/N at stage 1, 2Ψ + 14Ψ/N at stage 2, 16Ψ/N
+    at stage 3.
+
+    Communication (bytes each rank sends per step, ring algorithms, which send N−1 chunks of S elements
+    per reduce-scatter or all-gather): stage 0 all-reduces the gradients (a reduce-scatter plus an
+    all-gather), 2(N−1)·S·grad_bytes; stages 1 and 2 reduce-scatter the gradients and all-gather the
+    updated parameters, (N−1)·S·(grad_bytes + param_bytes); stage 3 also all-gathers the parameters
+    again for the backward pass, (N−1)·S·(grad_bytes + 2·param_bytes). For large N and equal dtypes
+    these are the paper's 2Ψ, 2Ψ and 3Ψ.
+    """
+    positive_int("num_params", num_params)
+    positive_int("world_size", world_size)
+    for name, value in (("param_bytes", param_bytes), ("grad_bytes", grad_bytes),
+                        ("optimizer_bytes_per_param", optimizer_bytes_per_param)):
+        non_negative_int(name, value)
+    choice("stage", integer("stage", stage), ZERO_STAGES)  # 0 is plain data parallelism
+    full, shard, n = num_params, math.ceil(num_params / world_size), world_size
+    params = (shard if stage >= 3 else full) * param_bytes
+    grads = (shard if stage >= 2 else full) * grad_bytes
+    optimizer = (shard if stage >= 1 else full) * optimizer_bytes_per_param
+    if stage == 0:
+        comm = 2 * (n - 1) * shard * grad_bytes  # all-reduce = reduce-scatter + all-gather of gradients
+    elif stage in (1, 2):
+        comm = (n - 1) * shard * (grad_bytes + param_bytes)  # reduce-scatter grads, all-gather params
+    else:
+        comm = (n - 1) * shard * (grad_bytes + 2 * param_bytes)  # params gathered for forward and backward
+    return ZeroMemory(stage=stage, world_size=world_size, num_params=num_params, param_bytes=params,
+                      grad_bytes=grads, optimizer_bytes=optimizer, comm_bytes_per_step=comm)
+
