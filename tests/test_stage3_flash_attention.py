@@ -208,6 +208,63 @@ def test_pytorch_backward_matches_float64(impl, dtype, is_causal):
     check_backward(impl.flash_attention.FlashAttentionPytorch, dtype, is_causal)
 
 
+def matmul_flops(fn) -> int:
+    """Floating-point operations of the matrix multiplications (mm, bmm, addmm, …) ``fn()`` issues."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    counter = FlopCounterMode(display=False)
+    with counter:
+        fn()
+    return counter.get_total_flops()
+
+
+@pytest.mark.points(2)
+def test_pytorch_causal_skips_masked_tiles(impl):
+    """Causal FlashAttentionPytorch does about half the matmul work of non-causal, forward and backward."""
+    fa = impl.flash_attention.FlashAttentionPytorch
+    # Error model: tiles of at most 128 rows (the score-matrix test allows no larger), so N = 512 is T ≥ 4
+    # tiles a side. Skipping every tile the mask hides leaves T(T+1)/2 of T² tiles: (T+1)/2T ≤ 0.625 of
+    # the work; not skipping does 1.0. Allowed: 0.625 + 0.05 for rounding of unequal tile shapes.
+    n, d = 512, 16
+    bound = (4 + 1) / (2 * 4) + 0.05
+    q, k, v, do = make_inputs((1, n, d), (1, n, d), torch.float32)
+    work = {}
+    for is_causal in (False, True):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = []
+        work[is_causal, "forward"] = matmul_flops(lambda: out.append(fa.apply(*leaves, is_causal)))  # noqa: B023
+        work[is_causal, "backward"] = matmul_flops(lambda: out[0].backward(do))  # noqa: B023
+    for step in ("forward", "backward"):
+        full, causal = work[False, step], work[True, step]
+        assert full > 0, f"the {step} issued no matrix multiplication (torch matmul / @) at all"
+        assert causal <= bound * full, (
+            f"causal {step}: {causal / 1e6:.1f} MFLOP of matmuls vs {full / 1e6:.1f} MFLOP non-causal (ratio "
+            f"{causal / full:.2f}, allowed ≤ {bound:.3f} for N = {n}, tiles ≤ 128). Skip the key tiles the causal "
+            f"mask hides entirely — they contribute exactly 0 (handout 03 §4).")
+
+
+@pytest.mark.points(1)
+def test_pytorch_forward_accumulates_in_fp32(impl):
+    """fp16 inputs, 4096 keys whose values average 24: Σ p·v ≈ 10⁵ overflows an fp16 accumulator."""
+    fa = impl.flash_attention.FlashAttentionPytorch
+    # The running sums l = Σ exp(s − m) (≈ Nk) and acc = Σ exp(s − m) v (≈ Nk · 24 ≈ 10⁵) exceed fp16's
+    # 65,504 or lose its 11-bit mantissa; accumulated in fp32 (as §2 says) O ≈ 24 is as accurate as
+    # plain fp16 attention, whose matmul accumulates in fp32 — so the usual tolerance applies.
+    g = torch.Generator().manual_seed(1)
+    q = (0.1 * torch.randn(1, 32, 16, generator=g)).half()
+    k = torch.randn(1, 4096, 16, generator=g).half()
+    v = (24 + torch.randn(1, 4096, 16, generator=g)).half()
+    for is_causal in (False,):
+        o = fa.apply(q, k, v, is_causal)
+        o64, L64, _ = attention_float64(q, k, v, is_causal)
+        where = "fp16 q (1, 32, 16), k/v (1, 4096, 16), values ≈ 24"
+        assert torch.isfinite(o).all(), (
+            f"O has {(~torch.isfinite(o)).sum().item()} non-finite elements ({where}): an fp16 running sum "
+            "overflowed (max 65,504). Keep m, l and acc in fp32 whatever the input dtype (handout 03 §2).")
+        assert_close(o, o64, name=f"O ({where}) — accumulate l and acc in fp32", section="handout 03 §2",
+                     **tolerance(q, k, v, is_causal, "o"))
+
+
 # ------------------------------------------------------------------------------------ Triton (§5–§6)
 
 
@@ -260,6 +317,60 @@ def test_triton_backward_is_deterministic(impl, monkeypatch):
     assert not atomics, (f"the backward used atomic operations ({sorted(set(atomics))}): their summation order "
                          "varies from run to run on a GPU. Give each program its own rows of dQ, dK, dV "
                          "(handout 03 §6).")
+
+
+def nan_filled_empty(monkeypatch) -> None:
+    """Make torch.empty / empty_like / new_empty return NaN-filled floats, as uninitialised GPU memory may."""
+    for owner, name in ((torch, "empty"), (torch, "empty_like"), (torch.Tensor, "new_empty")):
+        original = getattr(owner, name)
+
+        def filled(*args, _original=original, **kwargs):
+            out = _original(*args, **kwargs)
+            return out.fill_(float("nan")) if out.is_floating_point() else out
+
+        monkeypatch.setattr(owner, name, filled)
+
+
+@pytest.mark.points(1)
+def test_triton_causal_keys_no_query_reaches_get_zero_gradients(impl, monkeypatch):
+    """Causal, Nq = 40 < Nk = 200: key rows j ≥ 40 are seen by no query, so their dK and dV are exactly 0 —
+    even when freshly allocated memory holds garbage (here: NaN)."""
+    fn = impl.flash_attention.FlashAttentionTriton
+    nan_filled_empty(monkeypatch)
+    q, k, v, do = make_inputs((1, 2, 40, 16), (1, 2, 200, 16), torch.float32)
+    o, _, grads = run(fn, q, k, v, do, True, backward=True)
+    assert torch.isfinite(o).all(), "O has non-finite values: a buffer from torch.empty was read before written"
+    where = "causal, q (1, 2, 40, 16), k/v (1, 2, 200, 16), torch.empty returning NaN"
+    assert torch.isfinite(grads[0]).all(), (
+        f"dQ has non-finite values ({where}): some rows of dQ were never written (handout 03 §6).")
+    for name, grad in zip(("dK", "dV"), grads[1:]):
+        unreached = grad[..., 40:, :]
+        bad = ~torch.isfinite(unreached) | (unreached != 0)
+        if bad.any():
+            at = tuple(bad.nonzero()[0].tolist())
+            raise AssertionError(
+                f"{name}[..., 40:, :] at index {at} is {unreached[at].item()} ({where}): keys j ≥ Nq = 40 are "
+                "seen by no query under the causal mask, so their dK and dV must be exactly 0. Memory from "
+                "torch.empty holds garbage on a GPU: launch a program for every key tile and let it store "
+                "zeros when no query tile reaches it (handout 03 §4, §6).")
+    for name, grad in zip(("dK", "dV"), grads[1:]):
+        assert torch.isfinite(grad).all(), f"{name} has non-finite values ({where}): rows never written (§6)"
+
+
+@pytest.mark.points(1)
+@pytest.mark.parametrize("name", ["FlashAttentionPytorch", "FlashAttentionTriton"])
+def test_strided_view_inputs(impl, name):
+    """q, k, v, dO as (B, H, T, D) views of (T, B, H, D) tensors (not contiguous): same results."""
+    fn = getattr(impl.flash_attention, name)
+    g = torch.Generator().manual_seed(3)
+    q, k, v, do = (torch.randn(n, 2, 3, 16, generator=g).permute(1, 2, 0, 3) for n in (40, 56, 56, 40))
+    o, _, grads = run(fn, q, k, v, do, True, backward=True)
+    o64, _, leaves = attention_float64(q, k, v, True)
+    o64.backward(do.double())
+    where = f"{name}, causal, (B, H, T, D) = permute(1, 2, 0, 3) of (T, B, H, D), strides {q.stride()}"
+    assert_close(o, o64, name=f"O ({where})", section="handout 03 §5", rtol=1e-4, atol=1e-4)
+    for gname, grad, leaf in zip(("dQ", "dK", "dV"), grads, leaves):
+        assert_close(grad, leaf.grad, name=f"{gname} ({where})", section="handout 03 §6", rtol=1e-4, atol=1e-4)
 
 
 # The interpreter runs kernel bodies as Python, so it accepts code the Triton compiler rejects (Python
