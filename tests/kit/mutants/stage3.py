@@ -26,6 +26,11 @@ _FP32_FORWARD = '''            q_tile = q[..., i0:i1, :].float()
 '''
 _FP16_FORWARD = (_FP32_FORWARD.replace(".float()", "")
                  .replace("device=q.device)", "device=q.device, dtype=q.dtype)"))
+# Only the output accumulator kept in the input dtype (m, l and L stay fp32, so L is right).
+_ACC16_FORWARD = (_FP32_FORWARD.replace("acc = torch.zeros((*lead, i1 - i0, d), device=q.device)",
+                                        "acc = torch.zeros((*lead, i1 - i0, d), device=q.device, dtype=q.dtype)")
+                  .replace("acc = alpha[..., None] * acc + p @ v[..., j0:j1, :].float()",
+                           "acc = (alpha[..., None] * acc + p @ v[..., j0:j1, :].float()).to(q.dtype)"))
 
 MUTANTS = [
     # ---------------------------------------------------------------- PyTorch (§1–§4)
@@ -40,6 +45,12 @@ MUTANTS = [
            replace=_FP16_FORWARD,
            mistake="the forward keeps q, m, l and acc in the input dtype: fp16 running sums overflow and round (§2)",
            expect="overflow|accumulate l and acc in fp32|FlashAttentionPytorch torch.(float16|bfloat16)"),
+    Mutant("pytorch-fp16-output-accumulator", "flash_attention/pytorch_impl.py",
+           find=_FP32_FORWARD,
+           replace=_ACC16_FORWARD,
+           mistake="the forward keeps acc = Σ p·v in the input dtype between key tiles: fp16 overflows past "
+                   "65,504 and rounds each step (§2)",
+           expect="overflow|accumulate l and acc in fp32"),
     Mutant("pytorch-no-softmax-scale", "flash_attention/pytorch_impl.py",
            find="s = (q_tile @ k[..., j0:j1, :].float().transpose(-2, -1)) * scale",
            replace="s = q_tile @ k[..., j0:j1, :].float().transpose(-2, -1)",
@@ -49,7 +60,7 @@ MUTANTS = [
            find="delta = (do * o.float()).sum(dim=-1)",
            replace="delta = do.sum(dim=-1)",
            mistake="D computed as rowsum(dO) instead of rowsum(dO ∘ O) (§3)",
-           expect="FlashAttentionPytorch.*d[QK]"),
+           expect=r"d[QK] \(FlashAttentionPytorch"),
     # ---------------------------------------------------------------- Triton forward (§5)
     Mutant("triton-ignores-dot-precision", "flash_attention/triton_forward.py",
            find="s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale",
@@ -94,7 +105,7 @@ MUTANTS = [
            find="delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)",
            replace="delta = tl.sum(do.to(tl.float32), axis=1)",
            mistake="Delta computed as rowsum(dO) instead of rowsum(dO ∘ O) (§3, §6)",
-           expect="FlashAttentionTriton.*d[QK]"),
+           expect=r"d[QK] \(FlashAttentionTriton"),
     Mutant("triton-dk-unscaled", "flash_attention/triton_backward.py",
            find="dk = dk * sm_scale  # s = q·k/√D",
            replace="dk = dk  # s = q·k/√D",
