@@ -18,6 +18,7 @@ offsets, shared memory and registers). This module closes that gap without namin
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import re
@@ -88,33 +89,41 @@ def _describe(value: Any) -> dict:
 
 
 def record_launches(fn: Callable[[], Any]) -> list[Launch]:
-    """Run ``fn()`` under the Triton interpreter and return the distinct kernel launches it made.
+    """Run ``fn()`` and return the distinct kernel launches it made.
 
     Works through ``kernel[grid](...)``, ``triton.autotune`` and ``triton.heuristics`` (all of which end in
-    ``InterpretedFunction.run``). Requires ``TRITON_INTERPRET=1`` (``import kit`` sets it without CUDA).
+    ``InterpretedFunction.run`` under the interpreter, ``JITFunction.run`` on a GPU); the autotuner's
+    benchmarking launches are not recorded, only the launch it settles on.
     """
     from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
 
     launches: dict[str, Launch] = {}
-    original = InterpretedFunction.run
+    originals = {cls: cls.run for cls in (InterpretedFunction, JITFunction)}
 
-    def recording(self, *args, grid, warmup, **kwargs):
-        named = {**dict(zip(self.arg_names, args)), **kwargs}
-        options = {k: int(named.pop(k)) for k in ("num_warps", "num_stages") if named.get(k) is not None}
-        for k in ("num_ctas", "maxnreg", "enable_fp_fusion", "launch_cooperative_grid"):
-            named.pop(k, None)
-        g = grid(named) if callable(grid) else grid
-        g = tuple(int(x) for x in (g if isinstance(g, (tuple, list)) else (g,)))
-        launch = Launch(self.fn.__module__, self.fn.__qualname__, {k: _describe(v) for k, v in named.items()},
-                        g, options)
-        launches.setdefault(launch.key(), launch)
-        return original(self, *args, grid=grid, warmup=warmup, **kwargs)
+    def make_recording(original):
+        def recording(self, *args, grid, warmup, **kwargs):
+            if not warmup and not any(f.function in ("_bench", "do_bench") for f in inspect.stack(0)[1:8]):
+                named = {**dict(zip(self.arg_names, args)), **kwargs}
+                options = {k: int(named.pop(k)) for k in ("num_warps", "num_stages") if named.get(k) is not None}
+                for k in ("num_ctas", "maxnreg", "enable_fp_fusion", "launch_cooperative_grid"):
+                    named.pop(k, None)
+                g = grid(named) if callable(grid) else grid
+                g = tuple(int(x) for x in (g if isinstance(g, (tuple, list)) else (g,)))
+                launch = Launch(self.fn.__module__, self.fn.__qualname__,
+                                {k: _describe(v) for k, v in named.items()}, g, options)
+                launches.setdefault(launch.key(), launch)
+            return original(self, *args, grid=grid, warmup=warmup, **kwargs)
 
-    InterpretedFunction.run = recording
+        return recording
+
+    for cls, original in originals.items():
+        cls.run = make_recording(original)
     try:
         fn()
     finally:
-        InterpretedFunction.run = original
+        for cls, original in originals.items():
+            cls.run = original
     return list(launches.values())
 
 
