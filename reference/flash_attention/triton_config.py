@@ -9,7 +9,8 @@ One kernel source runs in two worlds (handout 03 §5):
 * **interpreted** (``TRITON_INTERPRET=1``, set by ``import kit`` on machines without CUDA): the kernel
   body runs as NumPy code. Autotuning with more than one config needs a GPU driver, so one fixed
   config is used; and the 3.6 interpreter cannot do bf16 arithmetic (bf16 ``tl.dot`` returns garbage),
-  so bf16 tiles are upcast to fp32 right after loading (``UPCAST``).
+  so the kernels upcast bf16 tiles to fp32 right after loading — your kernel does it, when
+  :func:`upcast_in_kernel` says so (the ``UPCAST`` constexpr).
 
 ``import kit`` must happen before ``import triton`` so that the interpreter switch is seen: this
 package's ``__init__`` does it first, before any module here imports triton.
