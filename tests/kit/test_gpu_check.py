@@ -4,6 +4,7 @@ place of the real steps. The GPU figures themselves are only ever measured on a 
 
 from __future__ import annotations
 
+import ast
 import json
 import subprocess
 import sys
@@ -178,3 +179,43 @@ def test_kernel_report_survives_a_kernel_that_does_not_load():
 def test_launchers_are_found_in_the_flash_attention_package(impl):
     found = gpu_check.launchers(impl.flash_attention)
     assert sorted(lch.kind for lch in found) == ["dkdv", "dq", "forward"]
+
+
+REAL_COMPILE = r"""
+import os
+os.environ["TRITON_INTERPRET"] = "0"
+import kit  # noqa: F401
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from kit.gpu_check import compiled_row
+
+
+@triton.jit
+def toy(A, B, C, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    r = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    tl.store(C + r, tl.dot(tl.load(A + r), tl.load(B + r)).to(tl.bfloat16))
+
+
+src = ASTSource(fn=toy, signature={"A": "*bf16", "B": "*bf16", "C": "*bf16", "BLOCK_M": "constexpr",
+                                   "BLOCK_N": "constexpr"}, constexprs={"BLOCK_M": 64, "BLOCK_N": 64})
+compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3})
+print(compiled_row("toy", compiled, []))
+"""
+
+
+def test_compiled_row_reads_a_real_sm90_kernel(tmp_path):
+    """The attribute names compiled_row relies on, checked on a kernel compiled for sm_90 (no GPU needed)."""
+    env = {"TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path / "cache"), "PATH": "/usr/bin:/bin",
+           "PYTHONPATH": str(ROOT)}
+    script = tmp_path / "toy_kernel.py"  # @triton.jit needs its source in a file
+    script.write_text(REAL_COMPILE)
+    proc = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    row = ast.literal_eval(proc.stdout.strip().splitlines()[-1])
+    assert row["BLOCK_M"] == 64 and row["BLOCK_N"] == 64 and row["warps"] == 4 and row["stages"] == 3
+    assert row["wgmma"] is True and row["shared_kib"] > 0 and row["chosen"] == "fixed"
+    assert row["registers"] is None, "no GPU here: registers and spills are only known once loaded on one"
