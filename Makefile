@@ -26,7 +26,8 @@ help: ## list the targets
 
 setup: $(STAMP) ## create .venv, installing only what is missing (GPU=1 keeps your CUDA torch; WHEELS=dir: offline)
 $(STAMP): pyproject.toml constraints-cpu.txt
-	@test -x $(PY) || $(PYTHON) -m venv $(if $(GPU),--system-site-packages) $(VENV)
+	@test -x $(PY) || $(PYTHON) -m venv $(if $(GPU),--system-site-packages --without-pip) $(VENV)
+	$(if $(GPU),@$(PYTHON) -m kit.bootstrap --link-site $(VENV))
 	$(PY) -m kit.bootstrap $(if $(GPU),--gpu) $(if $(WHEELS),--wheels $(WHEELS))
 	@touch $@
 

@@ -187,14 +187,37 @@ def prune_wheelhouse(dest: Path) -> list[Path]:
     return dropped
 
 
+def link_site(venv: Path) -> Path | None:
+    """Make ``venv`` (created by this interpreter with ``--system-site-packages``) see this interpreter's
+    packages when this interpreter is itself a virtual environment — GPU images often ship torch in one
+    (e.g. /opt/torch/.venv), and ``--system-site-packages`` only reaches the base interpreter's. Writes a
+    ``.pth`` file listing this interpreter's site-packages; returns it, or None when not needed."""
+    if sys.prefix == sys.base_prefix:
+        return None
+    import site
+
+    version = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    target = Path(venv) / "lib" / version / "site-packages"
+    target.mkdir(parents=True, exist_ok=True)
+    pth = target / "_kit_parent_site.pth"
+    pth.write_text("".join(f"{path}\n" for path in site.getsitepackages()))
+    print(f"kit.bootstrap: {venv} also sees {', '.join(site.getsitepackages())} ({pth.name})")
+    return pth
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gpu", action="store_true", help="keep the installed CUDA torch, triton and numpy")
     parser.add_argument("--wheels", type=Path, default=None, help="install from this wheel folder, no index")
     parser.add_argument("--download", type=Path, default=None, metavar="DIR",
                         help="download the wheels a CUDA machine may lack into DIR, then exit")
+    parser.add_argument("--link-site", type=Path, default=None, metavar="VENV",
+                        help="let VENV see this interpreter's packages (when this interpreter is a venv), then exit")
     parser.add_argument("--python-version", default="3.12", help="with --download: the target's CPython")
     args = parser.parse_args(argv)
+    if args.link_site is not None:
+        link_site(args.link_site)
+        return 0
     if args.download is not None:
         args.download.mkdir(parents=True, exist_ok=True)
         cmd = download_command(args.download, python_version=args.python_version)

@@ -165,3 +165,21 @@ def test_prune_wheelhouse_drops_what_the_cuda_machine_keeps(tmp_path):
     dropped = bootstrap.prune_wheelhouse(tmp_path)
     assert sorted(w.name.split("-")[0] for w in dropped) == ["numpy", "torch"]
     assert sorted(w.name.split("-")[0] for w in tmp_path.glob("*.whl")) == ["nvtx", "tqdm"]
+
+
+def test_gpu_venv_over_a_venv_with_everything_needs_no_pip(tmp_path):
+    """`make setup GPU=1` end to end, index disabled: a --system-site-packages venv made by an interpreter
+    that is itself a venv (this .venv, like a GPU image's /opt/torch/.venv) sees its packages through
+    --link-site, and bootstrap --gpu then finds nothing missing and calls no pip."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)],
+                   check=True, timeout=120)
+    env = {"PIP_NO_INDEX": "1", "PIP_INDEX_URL": "http://127.0.0.1:9/simple", "PATH": "/usr/bin:/bin"}
+    link = subprocess.run([sys.executable, "-m", "kit.bootstrap", "--link-site", str(venv)], cwd=bootstrap.ROOT,
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert link.returncode == 0, link.stderr
+    proc = subprocess.run([str(venv / "bin" / "python"), "-m", "kit.bootstrap", "--gpu"], cwd=bootstrap.ROOT,
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "pip not called" in proc.stdout and "\n+ " not in proc.stdout, proc.stdout
+    assert "torch" in proc.stdout.split("present:")[1]
