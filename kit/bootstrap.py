@@ -22,6 +22,7 @@ import argparse
 import importlib.metadata as metadata
 import subprocess
 import sys
+import tempfile
 import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -115,15 +116,21 @@ def plan(reqs: list[str], *, gpu: bool, pins: list[str] = (),
     return Plan(present, missing, optional)
 
 
-def install_command(missing: list[str], *, gpu: bool, wheels: Path | None) -> list[str]:
+def install_command(missing: list[str], *, gpu: bool, wheels: Path | None, keep: Path | None = None) -> list[str]:
     """The pip command that installs ``missing``: from ``wheels`` alone when given, never re-resolving
-    what is installed (``--upgrade-strategy only-if-needed``), with the CPU pins unless ``gpu``."""
+    what is installed (``--upgrade-strategy only-if-needed``), with the CPU pins unless ``gpu``; ``keep`` is
+    a constraints file pinning the GPU's own torch, triton and numpy (see :func:`keep_pins`)."""
     cmd = PIP + ["install", *QUIET, "--upgrade-strategy", "only-if-needed"]
     if wheels is not None:
         cmd += ["--no-index", "--find-links", str(wheels)]
-    if not gpu:
-        cmd += ["-c", str(CONSTRAINTS)]
+    cmd += ["-c", str(keep)] if gpu and keep is not None else [] if gpu else ["-c", str(CONSTRAINTS)]
     return cmd + missing
+
+
+def keep_pins(version_of: Callable[[str], str | None] = installed_version) -> list[str]:
+    """``name==version`` for each installed package of :data:`KEPT_ON_GPU`: as pip constraints they make
+    an install fail rather than replace or downgrade the CUDA machine's torch, triton or numpy."""
+    return [f"{name}=={version}" for name in KEPT_ON_GPU if (version := version_of(name)) is not None]
 
 
 def how_to_get(missing: list[str], *, gpu: bool) -> str:
@@ -152,9 +159,13 @@ def setup(*, gpu: bool, wheels: Path | None, run: Callable[[list[str]], int] = s
         print(f"kit.bootstrap: WHEELS={wheels} is not a folder")
         print(how_to_get(p.missing, gpu=gpu))
         return 2
-    cmd = install_command(p.missing, gpu=gpu, wheels=wheels)
-    print("+", " ".join(cmd), flush=True)
-    if run(cmd) == 0:
+    with tempfile.TemporaryDirectory() as tmp:
+        keep = Path(tmp) / "keep-gpu.txt"
+        keep.write_text("".join(f"{pin}\n" for pin in keep_pins(version_of)))
+        cmd = install_command(p.missing, gpu=gpu, wheels=wheels, keep=keep)
+        print("+", " ".join(cmd), flush=True)
+        status = run(cmd)
+    if status == 0:
         return 0
     if not p.required_missing:
         print("kit.bootstrap: optional on a CUDA machine, still missing: " + ", ".join(p.optional)

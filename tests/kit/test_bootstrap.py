@@ -183,3 +183,17 @@ def test_gpu_venv_over_a_venv_with_everything_needs_no_pip(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "pip not called" in proc.stdout and "\n+ " not in proc.stdout, proc.stdout
     assert "torch" in proc.stdout.split("present:")[1]
+
+
+def test_gpu_install_pins_the_cuda_machines_torch_triton_numpy(monkeypatch):
+    monkeypatch.setattr(bootstrap, "requirements", lambda: ["einops>=0.8"])
+    seen = []
+
+    def run(cmd):
+        seen.append((cmd, Path(cmd[cmd.index("-c") + 1]).read_text()))
+        return 0
+
+    assert bootstrap.setup(gpu=True, wheels=None, run=run, version_of=versions(**{**GPU_IMAGE, "einops": None})) == 0
+    cmd, pins = seen[0]
+    assert pins.split() == ["torch==2.11.0+cu130", "triton==3.6.0", "numpy==2.5.2"], pins
+    assert str(bootstrap.CONSTRAINTS) not in cmd and cmd[-1] == "einops>=0.8"
