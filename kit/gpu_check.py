@@ -155,8 +155,9 @@ def crosscheck_tolerances(o_abs, v_absmax: float):
     return 2 * BF16_U * (o_abs + v_absmax), 8 * BF16_U
 
 
-def crosscheck(out: Path) -> bool:
-    """Triton vs SDPA's flash backend at the leaderboard shape, forward and backward. Returns pass/fail."""
+def crosscheck(out: Path, shape: dict = LEADERBOARD, device: str = "cuda") -> bool:
+    """Triton vs SDPA's flash backend at ``shape`` (default: the leaderboard's), forward and backward, causal,
+    bf16. Returns pass/fail. (``device="cpu"`` with a small shape runs the same code in the test suite.)"""
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -164,9 +165,9 @@ def crosscheck(out: Path) -> bool:
     from kit.impl import load
 
     impl = load("reference")
-    bh, n, d = LEADERBOARD["batch_heads"], LEADERBOARD["seq"], LEADERBOARD["d_head"]
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v, do = (torch.randn(bh, n, d, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(4))
+    bh, n, d = shape["batch_heads"], shape["seq"], shape["d_head"]
+    gen = torch.Generator(device=device).manual_seed(0)
+    q, k, v, do = (torch.randn(bh, n, d, device=device, dtype=torch.bfloat16, generator=gen) for _ in range(4))
     grads = []
     outs = []
     for name in ("triton", "sdpa_flash"):
@@ -179,21 +180,22 @@ def crosscheck(out: Path) -> bool:
         o.backward(do)
         outs.append(o.detach())
         grads.append([t.grad for t in (qq, kk, vv)])
-    torch.cuda.synchronize()
+    if device == "cuda":
+        torch.cuda.synchronize()
     atol, grad_rtol = crosscheck_tolerances(outs[1].float().abs(), v.float().abs().max().item())
     diff = (outs[0].float() - outs[1].float()).abs()
     excess = diff - atol
     worst = int(excess.argmax())
-    rows = [{"quantity": "O", "check": "elementwise |Δ| ≤ 2u(|o| + max|v|)", "worst": float(diff.flatten()[worst]),
-             "bound": float(atol.flatten()[worst]), "where (bh, row, col)": str(tuple(
-                 int(i) for i in torch.unravel_index(torch.tensor(worst), diff.shape))),
-             "ok": bool(excess.max() <= 0)}]
+    where = tuple(int(i) for i in torch.unravel_index(torch.tensor(worst), diff.shape))
+    rows = [{"quantity": "O", "check": "elementwise abs(Δ) ≤ 2u(abs(o) + max abs(v))",
+             "worst": float(diff.flatten()[worst]), "bound": float(atol.flatten()[worst]),
+             "where (bh, row, col)": str(where), "ok": bool(excess.max() <= 0)}]
     for name, a, b in zip(("dQ", "dK", "dV"), grads[0], grads[1]):
         rel = ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
         rows.append({"quantity": name, "check": "‖Δ‖ / ‖sdpa‖ ≤ 8u", "worst": rel, "bound": grad_rtol,
                      "where (bh, row, col)": "normwise", "ok": bool(math.isfinite(rel) and rel <= grad_rtol)})
-    save_results("crosscheck", rows, out_dir=out, title="Triton vs SDPA flash at the leaderboard shape "
-                 "(16 × 16384 × 64, causal, bf16); u = 2⁻⁸", stamp={"impl": "reference"})
+    save_results("crosscheck", rows, out_dir=out, title=f"Triton vs SDPA flash at {bh} × {n} × {d} "
+                 "((batch·heads, N, D), causal, bf16); u = 2⁻⁸", stamp={"impl": "reference"})
     save_results("kernels", kernel_report([impl.flash_attention]), out_dir=out,
                  title="Autotuned config per kernel (chosen = the autotuner's pick; compiled for this GPU)")
     return all(r["ok"] for r in rows)
@@ -242,8 +244,8 @@ def compiled_row(kind: str, compiled, picks: list) -> dict:
             "wgmma": "wgmma" in compiled.asm.get("ptx", "")}
 
 
-def train(out: Path) -> bool:
-    """One train step (AdamW, after warm-up) of the small preset per dtype, with MFU. Returns pass/fail."""
+def train(out: Path, setting: dict = TRAIN, device: str = "cuda") -> bool:
+    """One train step (AdamW, after warm-up) of ``setting``'s preset per dtype, with MFU. Returns pass/fail."""
     import torch
 
     from kit.flops import peak_flops, transformer_flops
@@ -251,21 +253,22 @@ def train(out: Path) -> bool:
     from kit.model import get_config
 
     bm = load("reference").benchmarking
-    device = torch.cuda.get_device_name(0)
-    config = get_config(TRAIN["preset"], context_length=TRAIN["context_length"])
+    name = torch.cuda.get_device_name(0) if device == "cuda" else "cpu"
+    config = get_config(setting["preset"], context_length=setting["context_length"])
     rows = []
     for dtype in ("fp32", "bf16", "fp16"):
-        r = bm.benchmark_model(TRAIN["preset"], context_length=TRAIN["context_length"],
-                               batch_size=TRAIN["batch_size"], mode="train_step", dtype=dtype, warmup=2, iters=3)
-        flops = transformer_flops(config, TRAIN["batch_size"], TRAIN["context_length"], "train_step")
-        peak = peak_flops(device, dtype)
+        r = bm.benchmark_model(setting["preset"], context_length=setting["context_length"], device=device,
+                               batch_size=setting["batch_size"], mode="train_step", dtype=dtype, warmup=2, iters=3)
+        flops = transformer_flops(config, setting["batch_size"], setting["context_length"], "train_step")
+        peak = peak_flops(name, dtype)
         seconds = r["timing"].median
-        rows.append({"dtype": dtype, **TRAIN, "ms": seconds * 1e3, "tokens_per_s": r["tokens_per_s"],
+        rows.append({"dtype": dtype, **setting, "ms": seconds * 1e3, "tokens_per_s": r["tokens_per_s"],
                      "model_tflops": flops / seconds / 1e12,
                      "mfu_percent": None if peak is None else 100 * flops / seconds / peak,
                      "ok": bool(math.isfinite(seconds) and seconds > 0)})
-        torch.cuda.empty_cache()
-    save_results("train_step", rows, out_dir=out, title="One train step (AdamW) of the small preset per dtype; "
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    save_results("train_step", rows, out_dir=out, title=f"One train step (AdamW) of {setting['preset']} per dtype; "
                  "MFU on model FLOPs (kit/flops.py)", stamp={"impl": "reference"})
     return all(r["ok"] for r in rows)
 

@@ -219,3 +219,19 @@ def test_compiled_row_reads_a_real_sm90_kernel(tmp_path):
     assert row["BLOCK_M"] == 64 and row["BLOCK_N"] == 64 and row["warps"] == 4 and row["stages"] == 3
     assert row["wgmma"] is True and row["shared_kib"] > 0 and row["chosen"] == "fixed"
     assert row["registers"] is None, "no GPU here: registers and spills are only known once loaded on one"
+
+
+def test_crosscheck_code_path_runs_on_cpu_at_a_small_shape(tmp_path):
+    """The cross-check's own code (SDPA flash on 4-D inputs, the tolerances, the tables) at 2 × 64 × 16 on a
+    CPU: the Triton kernels interpreted. Its leaderboard figures are only ever measured on a GPU."""
+    assert gpu_check.crosscheck(tmp_path, dict(batch_heads=2, seq=64, d_head=16), device="cpu")
+    rows = json.loads((tmp_path / "crosscheck.json").read_text())["rows"]
+    assert [r["quantity"] for r in rows] == ["O", "dQ", "dK", "dV"] and all(r["ok"] for r in rows)
+    assert (tmp_path / "kernels.md").exists()
+
+
+def test_train_step_code_path_runs_on_cpu(tmp_path):
+    assert gpu_check.train(tmp_path, dict(preset="tiny", batch_size=2, context_length=32), device="cpu")
+    rows = json.loads((tmp_path / "train_step.json").read_text())["rows"]
+    assert [r["dtype"] for r in rows] == ["fp32", "bf16", "fp16"]
+    assert all(r["mfu_percent"] is None and r["model_tflops"] > 0 for r in rows), "no peak for a CPU: no MFU"
