@@ -36,7 +36,7 @@ wheelhouse: ## download the wheels a CUDA machine may lack into wheelhouse/ (WHE
 	$(if $(wildcard $(PY)),$(PY),$(PYTHON)) -m kit.bootstrap --download wheelhouse --python-version $(WHEEL_PYTHON)
 	@du -sh wheelhouse; echo "copy wheelhouse/ to the GPU machine, then: make setup GPU=1 WHEELS=wheelhouse"
 
-gpu-check: setup ## on a CUDA machine: doctor, GPU tests, compiled Stage 3, goals → benchmarks/results/gpu/ (< 8 min)
+gpu-check: setup ##@instructor on a CUDA machine: doctor, GPU tests, compiled Stage 3, goals → benchmarks/results/gpu/ (< 8 min)
 	$(PY) -m kit.gpu_check
 
 grade: setup ## grade student/ (IMPL=reference|PATH, STAGE=1 or 1,2) and print the score table
