@@ -123,6 +123,9 @@ def run_all(out: Path, *, runner: Runner = subprocess.run, budget_s: float = BUD
         print(f"== gpu-check: {step.name} (≤ {step.timeout_s} s)", flush=True)
         outcomes.append(run_step(step, out, seconds_left=deadline - time.perf_counter(), runner=runner))
         print(f"   {outcomes[-1].status} in {outcomes[-1].seconds:.0f} s → {out / (step.name + '.log')}", flush=True)
+        log = out / f"{step.name}.log"
+        if not outcomes[-1].ok and log.exists():  # the end of a failing step's log, where the reason usually is
+            print("".join(f"   | {line}\n" for line in log.read_text().splitlines()[-15:]), end="", flush=True)
     return outcomes
 
 

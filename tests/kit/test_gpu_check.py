@@ -112,7 +112,9 @@ def test_a_failing_correctness_step_fails_the_check(tmp_path, capsys):
     assert "| crosscheck | failed (exit 1) |" in summary and "timed out after 120 s" in summary
     assert "FAILED correctness steps: stage3_compiled, crosscheck" in summary
     assert "train_step" in [c[0] for c in runner.calls], "a failure must not stop the later steps"
-    assert "goal comparison missing" in capsys.readouterr().out.rstrip().splitlines()[-1]
+    printed = capsys.readouterr().out
+    assert "   | output of crosscheck" in printed, "a failing step's log tail is printed"
+    assert "goal comparison missing" in printed.rstrip().splitlines()[-1]
 
 
 def test_a_non_gating_failure_keeps_exit_zero(tmp_path):
