@@ -11,6 +11,7 @@ LEVEL ?= guided
 GPU ?= $(if $(wildcard /dev/nvidiactl),1)
 WHEELS ?=
 WHEEL_PYTHON ?= 3.12
+WHEEL_SKIP ?=
 STAMP := $(VENV)/.setup-stamp$(if $(GPU),-gpu)
 HAVE_REFERENCE := $(wildcard reference/__init__.py)
 export PYTHONDONTWRITEBYTECODE := 1
@@ -32,8 +33,8 @@ $(STAMP): pyproject.toml constraints-cpu.txt
 	$(PY) -m kit.bootstrap $(if $(GPU),--gpu) $(if $(WHEELS),--wheels $(WHEELS))
 	@touch $@
 
-wheelhouse: ## download the wheels a CUDA machine may lack into wheelhouse/ (WHEEL_PYTHON=3.12, x86-64 Linux)
-	$(if $(wildcard $(PY)),$(PY),$(PYTHON)) -m kit.bootstrap --download wheelhouse --python-version $(WHEEL_PYTHON)
+wheelhouse: ## wheels a CUDA machine may lack into wheelhouse/ (WHEEL_PYTHON=3.12; WHEEL_SKIP="matplotlib": it has those)
+	$(if $(wildcard $(PY)),$(PY),$(PYTHON)) -m kit.bootstrap --download wheelhouse --python-version $(WHEEL_PYTHON) $(if $(WHEEL_SKIP),--skip $(WHEEL_SKIP))
 	@du -sh wheelhouse; echo "copy wheelhouse/ to the GPU machine, then: make setup GPU=1 WHEELS=wheelhouse"
 
 gpu-check: setup ##@instructor on a CUDA machine: doctor, GPU tests, compiled Stage 3, goals → benchmarks/results/gpu/ (< 8 min)

@@ -176,10 +176,13 @@ def setup(*, gpu: bool, wheels: Path | None, run: Callable[[list[str]], int] = s
     return 1
 
 
-def download_command(dest: Path, *, python_version: str, platforms: tuple[str, ...] = DEFAULT_PLATFORMS) -> list[str]:
-    """The ``pip download`` that fills ``dest`` with wheels of every requirement but torch, triton and numpy,
-    and their dependencies, for CPython ``python_version`` on x86-64 Linux (binary wheels only)."""
-    names = [r for r in requirements() if canonicalize_name(Requirement(r).name) not in NOT_DOWNLOADED]
+def download_command(dest: Path, *, python_version: str, platforms: tuple[str, ...] = DEFAULT_PLATFORMS,
+                     skip: tuple[str, ...] = ()) -> list[str]:
+    """The ``pip download`` that fills ``dest`` with wheels of every requirement but torch, triton, numpy and
+    ``skip`` (what the target is known to have, e.g. matplotlib: 24 MiB with its dependencies), and their
+    dependencies, for CPython ``python_version`` on x86-64 Linux (binary wheels only)."""
+    left_out = set(NOT_DOWNLOADED) | {canonicalize_name(n) for n in skip}
+    names = [r for r in requirements() if canonicalize_name(Requirement(r).name) not in left_out]
     cmd = PIP + ["download", *QUIET, "--only-binary=:all:", "--python-version", python_version,
                  "--implementation", "cp", "-d", str(dest)]
     for plat in platforms:
@@ -225,13 +228,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--link-site", type=Path, default=None, metavar="VENV",
                         help="let VENV see this interpreter's packages (when this interpreter is a venv), then exit")
     parser.add_argument("--python-version", default="3.12", help="with --download: the target's CPython")
+    parser.add_argument("--skip", nargs="*", default=[], help="with --download: requirements the target has")
     args = parser.parse_args(argv)
     if args.link_site is not None:
         link_site(args.link_site)
         return 0
     if args.download is not None:
         args.download.mkdir(parents=True, exist_ok=True)
-        cmd = download_command(args.download, python_version=args.python_version)
+        cmd = download_command(args.download, python_version=args.python_version, skip=tuple(args.skip))
         print("+", " ".join(cmd), flush=True)
         rc = subprocess.call(cmd)
         dropped = prune_wheelhouse(args.download)

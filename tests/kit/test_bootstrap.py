@@ -197,3 +197,8 @@ def test_gpu_install_pins_the_cuda_machines_torch_triton_numpy(monkeypatch):
     cmd, pins = seen[0]
     assert pins.split() == ["torch==2.11.0+cu130", "triton==3.6.0", "numpy==2.5.2"], pins
     assert str(bootstrap.CONSTRAINTS) not in cmd and cmd[-1] == "einops>=0.8"
+
+
+def test_download_can_skip_what_the_target_has(tmp_path):
+    cmd = bootstrap.download_command(tmp_path, python_version="3.12", skip=("matplotlib", "Ruff"))
+    assert not any(c.startswith(("matplotlib", "ruff")) for c in cmd) and any(c.startswith("nvtx") for c in cmd)
