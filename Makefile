@@ -7,13 +7,17 @@ PY := $(VENV)/bin/python
 IMPL ?= student
 STAGE ?=
 LEVEL ?= guided
-GPU ?=
+# A machine with an NVIDIA driver sets up for its CUDA torch unless told otherwise (GPU= forces the CPU pins).
+GPU ?= $(if $(wildcard /dev/nvidiactl),1)
+WHEELS ?=
+WHEEL_PYTHON ?= 3.12
+WHEEL_SKIP ?=
 STAMP := $(VENV)/.setup-stamp$(if $(GPU),-gpu)
 HAVE_REFERENCE := $(wildcard reference/__init__.py)
 export PYTHONDONTWRITEBYTECODE := 1
 
 .PHONY: help setup grade test test-reference test-kit lint student check-student release autograder check-handout soak \
-        timings stages mutants notebooks bench doctor clean
+        timings stages mutants notebooks bench doctor clean wheelhouse gpu-check
 
 # `##` describes a target for `make help`; `##@instructor` marks one that needs reference/ (hidden in the student
 # release), `##@student` one that only the student release has.
@@ -22,11 +26,19 @@ help: ## list the targets
 	    | grep -v '##@$(if $(HAVE_REFERENCE),student,instructor) ' \
 	    | awk -F':.*##(@instructor|@student)? ' '{printf "  make %-16s %s\n", $$1, $$2}'
 
-setup: $(STAMP) ## create .venv with everything installed (GPU=1 keeps your CUDA torch)
+setup: $(STAMP) ## create .venv, installing only what is missing (GPU=1 keeps your CUDA torch; WHEELS=dir: offline)
 $(STAMP): pyproject.toml constraints-cpu.txt
-	@test -x $(PY) || $(PYTHON) -m venv $(if $(GPU),--system-site-packages) $(VENV)
-	$(PY) -m kit.bootstrap $(if $(GPU),--gpu)
+	@test -x $(PY) || $(PYTHON) -m venv $(if $(GPU),--system-site-packages --without-pip) $(VENV)
+	$(if $(GPU),@$(PYTHON) -m kit.bootstrap --link-site $(VENV))
+	$(PY) -m kit.bootstrap $(if $(GPU),--gpu) $(if $(WHEELS),--wheels $(WHEELS))
 	@touch $@
+
+wheelhouse: ## wheels a CUDA machine may lack into wheelhouse/ (WHEEL_PYTHON=3.12; WHEEL_SKIP="matplotlib": it has those)
+	$(if $(wildcard $(PY)),$(PY),$(PYTHON)) -m kit.bootstrap --download wheelhouse --python-version $(WHEEL_PYTHON) $(if $(WHEEL_SKIP),--skip $(WHEEL_SKIP))
+	@du -sh wheelhouse; echo "copy wheelhouse/ to the GPU machine, then: make setup GPU=1 WHEELS=wheelhouse"
+
+gpu-check: setup ##@instructor on a CUDA machine: doctor, GPU tests, compiled Stage 3, goals → benchmarks/results/gpu/ (< 8 min)
+	$(PY) -m kit.gpu_check
 
 grade: setup ## grade student/ (IMPL=reference|PATH, STAGE=1 or 1,2) and print the score table
 	$(PY) -m kit grade --impl $(IMPL) $(if $(STAGE),--stage $(STAGE)) --json grading-output/results.json

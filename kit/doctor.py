@@ -8,6 +8,7 @@ import shutil
 import sys
 
 import kit
+from kit import nvtx_ranges
 
 
 def _version(module: str) -> str:
@@ -27,7 +28,7 @@ def report() -> str:
         f"  torch       {torch.__version__} (CUDA build: {torch.version.cuda or 'no'})",
         f"  triton      {_version('triton')}",
         f"  numpy       {_version('numpy')}",
-        f"  nvtx        {_version('nvtx')}",
+        f"  nvtx        {_version('nvtx')} (NVTX ranges: {nvtx_ranges.BACKEND})",
         f"  CPU threads {torch.get_num_threads()}",
     ]
     if cuda:
@@ -49,6 +50,9 @@ def report() -> str:
     except Exception:
         pass
     lines += ["", "What this means:"]
+    if nvtx_ranges.BACKEND.startswith("torch"):
+        lines.append("  NOTE        the nvtx package is missing: NVTX ranges fall back to torch.cuda.nvtx"
+                     + (" (Nsight Systems shows them the same way)." if cuda else "; without CUDA they do nothing."))
     lines.append("  Stage 1  timing and torch.profiler run here; " +
                  ("the nsys lab runs here." if nsys and cuda else "the nsys lab needs a CUDA machine with nsys — "
                   "use the torch.profiler route (handout 01 §5)."))

@@ -16,11 +16,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import nvtx
 import torch
 
 from kit.data import random_batch
 from kit.model import TransformerLM, cross_entropy, get_config, make_optimizer
+from kit.nvtx_ranges import nvtx  # the nvtx package, or torch.cuda.nvtx ranges where it is missing
 from kit.validate import callable_arg, choice, non_negative_int, positive_int
 
 MODES = ("forward", "forward_backward", "train_step")
