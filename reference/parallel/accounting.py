@@ -186,9 +186,14 @@ def fsdp_tp_compute_bound(*, peak_flops: float, fsdp_bandwidth: float, tp_bandwi
     * FSDP gathers its weight slice: ``2 · d · d_ff / tp`` bytes at ``fsdp_bandwidth``;
     * TP moves the activations: ``2 · (B/fsdp) · d`` bytes at ``tp_bandwidth``.
 
-    Compute covers FSDP traffic when ``B/fsdp ≥ peak_flops / fsdp_bandwidth`` and TP traffic when
-    ``d_ff/tp ≥ peak_flops / tp_bandwidth``. Returns ``min_tokens_per_fsdp_shard``, ``min_global_tokens``
-    (× fsdp) and ``max_tp`` (largest tp that stays compute-bound; < 1 means never).
+    The thresholds are the forward's with communication overlapped and no ring factors; derive them
+    (handout 06 Problem 6.9). Returns ``min_tokens_per_fsdp_shard`` (the fewest tokens ``B/fsdp`` for
+    which compute hides the FSDP all-gather), ``min_global_tokens`` (× fsdp) and ``max_tp`` (the largest
+    tp, as a float, for which compute hides the TP traffic; < 1 means never).
+
+    Raises:
+        ValueError: a bandwidth, peak, ``d_ff`` or ``fsdp`` that is not positive (``TypeError`` for a
+            value that is not a number).
     """
     _positive(peak_flops=peak_flops, fsdp_bandwidth=fsdp_bandwidth, tp_bandwidth=tp_bandwidth, d_ff=d_ff, fsdp=fsdp)
     # BEGIN SOLUTION compare compute time with each axis's communication time (handout 06 §6.4)
