@@ -147,7 +147,8 @@ def namespace() -> dict[str, Any]:
     return dict(
         math=math, flops=flops, model=model, PRESETS=model.PRESETS, precision=precision, zero=zero, fsdp=fsdp,
         ddp=ddp, collectives=collectives, accounting=accounting, pipeline_parallel=pipeline_parallel,
-        results=results, measured_on=measured_on, measured=measured, table=table, gb=gb, gib=gib, mib=mib, num_params=num_params,
+        results=results, measured_on=measured_on, measured=measured, table=table, gb=gb, gib=gib, mib=mib,
+        num_params=num_params,
     )
 
 

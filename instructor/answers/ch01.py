@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from kit import answers, flops, model
-
 import reference.precision as precision
+from kit import answers, flops, model
 
 
 def attention_share(preset: str, context: int = 512, batch: int = 4) -> float:

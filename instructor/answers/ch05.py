@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from kit import answers
-
 import reference.zero as zero
+from kit import answers
 
 MIXED = dict(param_bytes=2, grad_bytes=2, optimizer_bytes_per_param=12)
 FP32 = dict(param_bytes=4, grad_bytes=4, optimizer_bytes_per_param=8)

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import math
 
-from kit import flops
-
 import reference.parallel.accounting as accounting
+from kit import flops
 
 NVLINK = 450e9  # bytes/s per direction per GPU (H100 SXM, NVLink 4)
 IB = 50e9  # 400 Gb/s InfiniBand per GPU

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import math
 
-from kit import answers, flops
-
 import reference.parallel.accounting as accounting
+from kit import answers, flops
 
 
 def h100_bf16() -> float:
