@@ -47,3 +47,8 @@ def fastest_bucketed() -> dict:
 def fastest_method() -> dict:
     rows = [r for r in answers.results("ddp")["rows"] if r["method"] != "torch DDP"]
     return min(rows, key=lambda r: r["step_ms"])
+
+
+def describe(row: dict) -> str:
+    """``"bucketed, 1 MB buckets"`` or ``"individual"``: a bench_ddp row's method as the key names it."""
+    return f"{row['method']}, {row['bucket_mb']:g} MB buckets" if row["bucket_mb"] is not None else row["method"]

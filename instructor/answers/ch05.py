@@ -54,3 +54,14 @@ def imbalance(n: int = 8, tied: bool = False, **shape) -> tuple[int, int, float]
 
 
 SMALL_BODY = dict(d=2048, d_ff=8192, layers=16)  # a Llama-3.2-1B-shaped body with the same 128 k vocabulary
+
+
+def fits_summary(presets=("xl", "2.7B", "10B"), sizes=(1, 8, 64), budget_gb: float = 60.0) -> str:
+    """One line per preset: the (N, stage) pairs that fit in ``budget_gb``."""
+    out = []
+    for p in presets:
+        psi = answers.num_params(p)
+        ok = [f"N = {n}: stage ≥ {s}" for n in sizes
+              for s in [next((s for s in range(4) if state_gb(psi, n, s) <= budget_gb), None)] if s is not None]
+        out.append(f"`{p}`: " + ("; ".join(ok) if ok else "nowhere in this table"))
+    return "; ".join(out) + "."
