@@ -229,6 +229,14 @@ class DynamicLossScaler:
         scaler.unscale_(optimizer)        # optional: only to clip or inspect the true gradients
         scaler.step(optimizer)            # unscales if not done yet; skips the step on inf/nan
         scaler.update()                   # adjust the scale for the next iteration
+
+    Raises:
+        TypeError: a constructor argument of the wrong type (a factor that is not a number, an interval that is not
+            an int), or ``scale`` of something that is not a tensor.
+        ValueError: ``init_scale`` ≤ 0, ``growth_factor`` ≤ 1, ``backoff_factor`` outside (0, 1) or
+            ``growth_interval`` < 1; ``unscale_`` of fp16 gradients (keep fp32 master weights).
+        RuntimeError: ``unscale_`` twice for one optimizer in one iteration or after ``step``, ``step`` twice
+            before ``update``, or ``update`` with no ``step``/``unscale_`` since the last one.
     """
 
     def __init__(

@@ -118,6 +118,12 @@ class ShardedOptimizer(Optimizer):
 
     Every method that talks to other ranks (``step``, ``add_param_group``, ``state_dict``,
     ``load_state_dict``) must be called on every rank of the group, in the same order.
+
+    Raises:
+        TypeError: ``optimizer_cls`` is not an Optimizer subclass (an instance, say), or ``params`` is a single
+            tensor.
+        ValueError: no parameters, or a parameter listed twice.
+        RuntimeError: no process group is initialised.
     """
 
     def __init__(

@@ -140,6 +140,10 @@ class DataParallelBase(nn.Module, abc.ABC):
         process_group: the group gradients are averaged over (``None`` = the default group).
         world_size: the number of ranks in that group.
         require_backward_grad_sync: ``False`` inside :meth:`no_sync`.
+
+    Raises:
+        TypeError: ``module`` is not an ``nn.Module``.
+        RuntimeError: no process group is initialised.
     """
 
     def __init__(self, module: nn.Module, *, process_group: Any = None):

@@ -287,6 +287,12 @@ class FSDP(nn.Module):
         unit_shapes: each unit's parameters' full (unsharded) shapes, in the same order.
         replicated_names, replicated_shapes: the parameters of no unit, kept whole on every rank.
         world_size, rank: of the process group.
+
+    Raises:
+        TypeError: ``module`` is not an ``nn.Module``, ``compute_dtype`` not a dtype, ``prefetch`` not an int or
+            ``reshard_after_forward`` not a bool.
+        ValueError: a module without parameters, an unsupported ``compute_dtype`` or ``prefetch`` < 0.
+        RuntimeError: no process group is initialised.
     """
 
     def __init__(
