@@ -17,7 +17,7 @@ HAVE_REFERENCE := $(wildcard reference/__init__.py)
 export PYTHONDONTWRITEBYTECODE := 1
 
 .PHONY: help setup grade test test-reference test-kit lint student check-student release autograder check-handout soak \
-        timings stages mutants notebooks bench doctor clean wheelhouse gpu-check
+        timings stages mutants answers notebooks bench doctor clean wheelhouse gpu-check
 
 # `##` describes a target for `make help`; `##@instructor` marks one that needs reference/ (hidden in the student
 # release), `##@student` one that only the student release has.
@@ -86,6 +86,9 @@ timings: setup ##@instructor record each graded test's reference time in tests/t
 mutants: setup ##@instructor the misconception catalogue (tests/kit/mutants): each mistake must fail a public test (STAGE=N or auto)
 	$(PY) -m kit mutants $(if $(STAGE),--stage $(STAGE))
 
+answers: setup ##@instructor render the answer key (instructor/answers) into answers-output/ (STAGE=N for some stages)
+	$(PY) -m kit answers $(if $(STAGE),--stage $(STAGE))
+
 stages: setup ## list the stages (kit/stages.py): number, title, modules, handout chapters
 	@$(PY) -m kit stages
 
@@ -103,5 +106,5 @@ doctor: setup ## what this machine can run
 	$(PY) -m kit doctor
 
 clean: ## remove build outputs (keeps .venv)
-	rm -rf dist grading-output .pytest_cache .ruff_cache
+	rm -rf dist grading-output answers-output .pytest_cache .ruff_cache
 	find . -name __pycache__ -prune -exec rm -rf {} +

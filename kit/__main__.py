@@ -1,4 +1,5 @@
-"""Command line: ``python -m kit {grade,autograde,autograder,release,check-handout,stages,doctor,nsys-summary}``.
+"""Command line: ``python -m kit {grade,autograde,autograder,release,check-handout,stages,doctor,nsys-summary,
+mutants,answers}``.
 
 ``--help`` on each for details.
 """
@@ -157,6 +158,15 @@ def cmd_nsys_summary(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_answers(args: argparse.Namespace) -> int:
+    try:
+        from kit import answers
+    except ImportError:
+        raise SystemExit("the answer key is in the instructor's copy of the kit only") from None
+
+    return answers.main(args.rest)
+
+
 def cmd_mutants(args: argparse.Namespace) -> int:
     from kit import mutants
 
@@ -233,6 +243,11 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("rest", nargs=argparse.REMAINDER)
     m.set_defaults(func=cmd_mutants)
 
+    k = sub.add_parser("answers", help="render the instructor's answer key into answers-output/ "
+                       "(python -m kit answers --help)", add_help=False)
+    k.add_argument("rest", nargs=argparse.REMAINDER)
+    k.set_defaults(func=cmd_answers)
+
     n = sub.add_parser("nsys-summary", help="kernel time per NVTX range from `nsys stats` CSV files")
     n.add_argument("nvtx_csv", help="CSV of `nsys stats --report nvtx_sum --format csv`")
     n.add_argument("kern_csv", nargs="?", help="CSV of `nsys stats --report cuda_gpu_kern_sum --format csv`")
@@ -241,6 +256,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["mutants"]:  # its own options, --help included, belong to kit.mutants
         return cmd_mutants(argparse.Namespace(rest=argv[1:]))
+    if argv[:1] == ["answers"]:
+        return cmd_answers(argparse.Namespace(rest=argv[1:]))
     args = parser.parse_args(argv)
     return args.func(args)
 

@@ -66,12 +66,17 @@ class ModelConfig:
 
 
 # The model sizes of the benchmarking stage (vocab 10,000) plus tiny ones that train in seconds on a CPU.
+# Names follow the 2024–25 course tables: our `xl` (d 1600, 48 layers) is *not* the `xl` of the 2026 course
+# (d 2560, 32 layers), which is our `2.7B`. `10B` (d 4608, d_ff 12288, 50 layers, 36 heads: 12.8 B parameters
+# with this SwiGLU, embeddings included) is for the accounting problems (handout 05, 06): build it on the
+# `meta` device only.
 PRESETS: dict[str, ModelConfig] = {
     "small": ModelConfig(d_model=768, d_ff=3072, num_layers=12, num_heads=12),
     "medium": ModelConfig(d_model=1024, d_ff=4096, num_layers=24, num_heads=16),
     "large": ModelConfig(d_model=1280, d_ff=5120, num_layers=36, num_heads=20),
     "xl": ModelConfig(d_model=1600, d_ff=6400, num_layers=48, num_heads=25),
     "2.7B": ModelConfig(d_model=2560, d_ff=10240, num_layers=32, num_heads=32),
+    "10B": ModelConfig(d_model=4608, d_ff=12288, num_layers=50, num_heads=36),
     "tiny": ModelConfig(vocab_size=512, context_length=64, d_model=64, d_ff=256, num_layers=2, num_heads=4),
     "mini": ModelConfig(vocab_size=1024, context_length=128, d_model=128, d_ff=512, num_layers=4, num_heads=4),
 }

@@ -43,6 +43,9 @@ RELEASE_INCLUDE = (
     "student", "kit", "tests", "handout", "notebooks", "benchmarks",
 )
 RELEASE_EXCLUDE_DIRS = ("tests/hidden", "tests/kit", "__pycache__", ".ipynb_checkpoints", ".pytest_cache")
+# Instructor-only files inside included folders: the answer-key renderer (kit/answers.py; its templates live in
+# instructor/, which is never included).
+RELEASE_EXCLUDE_FILES = ("kit/answers.py",)
 
 
 @dataclass
@@ -129,7 +132,8 @@ def stale_student_files(reference: Path = ROOT / "reference", student: Path = RO
 
 
 def build_release(out: Path = ROOT / "dist" / "student-release", root: Path = ROOT, level: str = "guided") -> Path:
-    """Copy what a student needs into ``out`` — never ``reference/``, hidden tests or the kit's own tests.
+    """Copy what a student needs into ``out`` — never ``reference/``, hidden tests, the kit's own tests or the
+    answer key (``instructor/``, ``kit/answers.py``).
 
     ``level="guided"`` ships the committed ``student/`` (which must be fresh); ``"open"`` ships stubs
     generated at the open level instead.
@@ -143,7 +147,7 @@ def build_release(out: Path = ROOT / "dist" / "student-release", root: Path = RO
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
-    excluded = [root / d for d in RELEASE_EXCLUDE_DIRS if "/" in d]
+    excluded = [root / d for d in RELEASE_EXCLUDE_DIRS + RELEASE_EXCLUDE_FILES if "/" in d]
 
     def ignore(directory: str, names: list[str]) -> list[str]:
         d = Path(directory)

@@ -81,6 +81,10 @@ def verify_same_model(module: nn.Module, process_group: Any = None) -> None:
     of every parameter and buffer. Without this check, replicas that differ make the later collectives
     disagree on sizes: gloo errors out with an opaque message, NCCL may hang. torch's
     DistributedDataParallel does the same check at construction.
+
+    Raises:
+        ValueError: the ranks' parameters or buffers differ (names, shapes, dtypes or values); the message names the
+            first difference.
     """
     # BEGIN SOLUTION all_gather_object each rank's list, compare with group rank 0's (handout 04 §1)
     mine = [(n, tuple(p.shape), str(p.dtype), bool(p.requires_grad)) for n, p in module.named_parameters()]
@@ -136,6 +140,10 @@ def assign_buckets(params: Sequence[torch.Tensor], bucket_size_mb: float | None)
         device differs from the current bucket's also starts a new bucket (one flat buffer per bucket).
         Bucket 0 therefore holds the last-registered parameters, and the indices inside each bucket
         are in decreasing order. Example: sizes 4, 4, 4 MiB and a cap of 8 MiB give ``[[2, 1], [0]]``.
+
+    Raises:
+        TypeError: ``bucket_size_mb`` not a number (or None), or a parameter that is not a tensor.
+        ValueError: ``bucket_size_mb`` ≤ 0.
     """
     if bucket_size_mb is not None:
         number("bucket_size_mb", bucket_size_mb, above=0)  # MiB; None means one bucket
@@ -175,6 +183,10 @@ class DataParallelBase(nn.Module, abc.ABC):
         process_group: the group gradients are averaged over (``None`` = the default group).
         world_size: the number of ranks in that group.
         require_backward_grad_sync: ``False`` inside :meth:`no_sync`.
+
+    Raises:
+        TypeError: ``module`` is not an ``nn.Module``.
+        RuntimeError: no process group is initialised.
     """
 
     def __init__(self, module: nn.Module, *, process_group: Any = None):

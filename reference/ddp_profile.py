@@ -50,6 +50,9 @@ def profile_ddp_step(
         warmup: untimed steps before the profiled one.
 
     Times are milliseconds from the start of the profiled step (a barrier aligns the ranks first).
+
+    Raises:
+        ValueError: an unknown ``kind``.
     """
     kinds = {"naive": NaiveDDP, "flat": FlatDDP, "individual": DDPIndividualParameters, "bucketed": DDPBucketed}
     if kind not in kinds:

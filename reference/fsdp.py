@@ -59,6 +59,10 @@ def take_shard(full: torch.Tensor, world_size: int, rank: int) -> torch.Tensor:
     equal pieces; rank r gets rows ``[r·R, (r+1)·R)``. The last ranks' pieces hold the padding (at 3 ranks
     a 64-row weight gives R = 22: rows 0–21, 22–43, and 44–63 plus two zero rows). Concatenating the N
     shards along dim 0 and keeping the first ``rows`` rows gives ``full`` back.
+
+    Raises:
+        TypeError: ``full`` is not a tensor, or ``world_size``/``rank`` is not an int.
+        ValueError: a 0-d ``full``, ``world_size < 1`` or ``rank`` outside ``[0, world_size)``.
     """
     validate.instance("full", full, torch.Tensor, "a tensor")
     if full.dim() < 1:
@@ -292,6 +296,12 @@ class FSDP(nn.Module):
         unit_shapes: each unit's parameters' full (unsharded) shapes, in the same order.
         replicated_names, replicated_shapes: the parameters of no unit, kept whole on every rank.
         world_size, rank: of the process group.
+
+    Raises:
+        TypeError: ``module`` is not an ``nn.Module``, ``compute_dtype`` not a dtype, ``prefetch`` not an int or
+            ``reshard_after_forward`` not a bool.
+        ValueError: a module without parameters, an unsupported ``compute_dtype`` or ``prefetch`` < 0.
+        RuntimeError: no process group is initialised.
     """
 
     def __init__(
@@ -723,6 +733,10 @@ def fsdp_accounting(
 
     A parameter of shape ``(rows, *rest)`` has a shard of ``⌈rows/N⌉·prod(rest)`` elements per rank and a
     padded full size N times that.
+
+    Raises:
+        TypeError: a count or byte size that is not an int, or ``reshard_after_forward`` not a bool.
+        ValueError: a count or byte size out of range, or a sharded parameter with no dimension.
     """
     for name, value in (("world_size", world_size), ("compute_bytes", compute_bytes), ("param_bytes", param_bytes),
                         ("grad_bytes", grad_bytes)):

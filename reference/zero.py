@@ -71,6 +71,10 @@ def partition_by_size(
     Returns:
         ``(owners, loads)``: ``owners[i]`` is the rank of item ``i``; ``loads[r]`` the elements rank ``r``
         owns afterwards (a new list).
+
+    Raises:
+        TypeError: a size, ``world_size`` or load that is not an int.
+        ValueError: a negative size or load, ``world_size < 1``, or ``loads`` of the wrong length.
     """
     positive_int("world_size", world_size)
     numels = [non_negative_int(f"numels[{i}]", n) for i, n in enumerate(numels)]
@@ -114,6 +118,12 @@ class ShardedOptimizer(Optimizer):
 
     Every method that talks to other ranks (``step``, ``add_param_group``, ``state_dict``,
     ``load_state_dict``) must be called on every rank of the group, in the same order.
+
+    Raises:
+        TypeError: ``optimizer_cls`` is not an Optimizer subclass (an instance, say), or ``params`` is a single
+            tensor.
+        ValueError: no parameters, or a parameter listed twice.
+        RuntimeError: no process group is initialised.
     """
 
     def __init__(
@@ -385,6 +395,9 @@ def optimizer_state_bytes(optimizer: Optimizer) -> int:
 
     Works for any optimizer: for a :class:`ShardedOptimizer` that is this rank's shard; for
     ``ZeroRedundancyOptimizer`` pass its ``.optim`` (the local optimizer).
+
+    Raises:
+        TypeError: ``optimizer`` is not a ``torch.optim.Optimizer``.
     """
     if not isinstance(optimizer, Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
@@ -488,6 +501,10 @@ def zero_memory_accounting(
     updated parameters, (N−1)·S·(grad_bytes + param_bytes); stage 3 also all-gathers the parameters
     again for the backward pass, (N−1)·S·(grad_bytes + 2·param_bytes). For large N and equal dtypes
     these are the paper's 2Ψ, 2Ψ and 3Ψ.
+
+    Raises:
+        TypeError: a count or byte size that is not an int.
+        ValueError: ``num_params`` or ``world_size`` < 1, a negative byte size, or ``stage`` not in 0–3.
     """
     positive_int("num_params", num_params)
     positive_int("world_size", world_size)

@@ -77,6 +77,10 @@ def time_fn(
 
     Returns:
         :class:`TimingStats` in seconds per call.
+
+    Raises:
+        TypeError: ``fn`` or ``sync`` is not callable, or ``warmup``/``iters`` is not an int.
+        ValueError: ``warmup < 0`` or ``iters < 1``.
     """
     callable_arg("fn", fn)
     non_negative_int("warmup", warmup)
@@ -94,6 +98,9 @@ def annotated_scaled_dot_product_attention(
     masking aligns query i with key i. Ranges, opened with ``nvtx.annotate(name)`` (the module-level
     ``nvtx``): ``"scaled_dot_product_attention"`` around everything, and inside it, in order,
     ``"attention_scores"`` (q kᵀ / √d and the mask), ``"softmax"`` and ``"final_matmul"``.
+
+    Raises:
+        ValueError: shapes that do not match (q ``(…, Nq, D)``, k ``(…, Nk, D)``, v ``(…, Nk, Dv)``).
     """
     if q.shape[-1] != k.shape[-1] or k.shape[-2] != v.shape[-2]:
         raise ValueError(f"q (…, Nq, D), k (…, Nk, D), v (…, Nk, Dv) expected; got q {tuple(q.shape)}, "
@@ -122,6 +129,10 @@ def benchmark_model(
 
     Returns a dict with the configuration, the :class:`TimingStats` under ``"timing"``, ``"tokens_per_s"``
     and ``"params"`` (the parameter count).
+
+    Raises:
+        ValueError: an unknown ``mode``, ``dtype`` or preset name.
+        TypeError: a size that is not an int.
     """
     choice("mode", mode, MODES)
     choice("dtype", dtype, DTYPES)
@@ -160,6 +171,10 @@ def profile_step(
     Returns the top ``row_limit`` operators by self time, each a dict with ``name``, ``calls``,
     ``self_time_us`` (CUDA self time on a GPU, else CPU self time) and ``total_time_us``, sorted by
     ``self_time_us`` descending. With ``trace_path``, also writes a Chrome/Perfetto trace there.
+
+    Raises:
+        TypeError: ``fn`` is not callable, or ``row_limit`` is not an int.
+        ValueError: ``row_limit < 1``.
     """
     callable_arg("fn", fn)
     positive_int("row_limit", row_limit)
@@ -173,7 +188,11 @@ def profile_step(
 
 
 def peak_memory(fn: Callable[[], object], device: str | torch.device | None = None) -> int:
-    """Peak bytes allocated by torch on a CUDA device while ``fn()`` runs (after resetting the peak)."""
+    """Peak bytes allocated by torch on a CUDA device while ``fn()`` runs (after resetting the peak).
+
+    Raises:
+        RuntimeError: CUDA is not available (a CPU allocator keeps no peak statistics).
+    """
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type != "cuda":
         raise RuntimeError(
@@ -189,7 +208,11 @@ def peak_memory(fn: Callable[[], object], device: str | torch.device | None = No
 
 def memory_snapshot(fn: Callable[[], object], path: str | Path, max_entries: int = 1_000_000) -> Path:
     """Record every CUDA allocation while ``fn()`` runs and dump a snapshot for https://pytorch.org/memory_viz
-    (the viewer runs in your browser; nothing is uploaded)."""
+    (the viewer runs in your browser; nothing is uploaded).
+
+    Raises:
+        RuntimeError: CUDA is not available.
+    """
     if not torch.cuda.is_available():
         raise RuntimeError("memory_snapshot needs CUDA: it records the CUDA caching allocator's history.")
     path = Path(path)

@@ -32,6 +32,10 @@ def bus_bandwidth(size_bytes: int, seconds: float, world_size: int) -> tuple[flo
     """``(algbw, busbw)`` in bytes per second for an all-reduce of ``size_bytes`` taking ``seconds``.
 
     ``algbw = size_bytes / seconds`` and ``busbw = algbw · 2(world_size - 1) / world_size``.
+
+    Raises:
+        TypeError: a value of the wrong type (``world_size`` not an int, a size or time not a number).
+        ValueError: a size, time or world size that is not positive.
     """
     positive_int("size_bytes", size_bytes)
     positive_number("seconds", seconds)
@@ -47,6 +51,11 @@ def time_all_reduce(size_bytes: int, *, warmup: int = 3, iters: int = 10) -> flo
     time (an all-reduce of the per-rank times with ``MAX``), so every rank returns the same number.
     The reduced tensor is checked: rank r contributes r + 1 everywhere, so each element must end up
     equal to n(n+1)/2.
+
+    Raises:
+        TypeError: a size or count that is not an int.
+        ValueError: ``size_bytes < 4``, ``warmup < 0`` or ``iters < 1``.
+        RuntimeError: the all-reduce returned a wrong sum.
     """
     integer("size_bytes", size_bytes, minimum=4)  # one float32
     non_negative_int("warmup", warmup)
@@ -88,6 +97,11 @@ def all_reduce_benchmark(
     Returns:
         one row per (world size, size): ``backend``, ``device``, ``world_size``, ``size_bytes``, ``size_mb``
         (10**6 bytes), ``time_ms``, ``algbw_gbps`` and ``busbw_gbps`` (GB/s, 10**9 bytes per second).
+
+    Raises:
+        TypeError: a size or world size that is not an int.
+        ValueError: an unknown backend or device, a backend that does not suit the device, empty lists, a size
+            under 4 bytes, a world size under 2, or more NCCL ranks than GPUs.
     """
     sizes = list(sizes_bytes)
     worlds = list(world_sizes)

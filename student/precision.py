@@ -80,6 +80,10 @@ def accumulation_experiment(value: float = 0.01, steps: int = 1000) -> dict[str,
 
     Each sum is a 0-dim torch tensor updated in place, ``steps`` times; the exact answer is
     ``value * steps``.
+
+    Raises:
+        TypeError: ``value`` not a number or ``steps`` not an int.
+        ValueError: ``steps < 1`` or a value that is not finite.
     """
     number("value", value)
     positive_int("steps", steps)
@@ -116,6 +120,11 @@ def autocast_dtype_report(
         each leaf submodule's name from ``model.named_modules()`` (``"fc1"``, ``"ln"`` …) mapped to the
         dtype of its output, ``"parameters"`` the parameters' dtype inside the autocast region and
         ``"gradients"`` the gradients' dtype. The model's ``.grad`` fields are left as they were.
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module`` or ``x`` not a tensor.
+        ValueError: an unsupported ``dtype`` (fp64, fp8, an int type), a model without parameters or with
+            parameters of several dtypes, or submodule names that clash with the report's keys.
     """
     instance("model", model, nn.Module, "an nn.Module")
     instance("x", x, torch.Tensor, "a torch.Tensor")
@@ -155,6 +164,14 @@ class DynamicLossScaler:
         scaler.unscale_(optimizer)        # optional: only to clip or inspect the true gradients
         scaler.step(optimizer)            # unscales if not done yet; skips the step on inf/nan
         scaler.update()                   # adjust the scale for the next iteration
+
+    Raises:
+        TypeError: a constructor argument of the wrong type (a factor that is not a number, an interval that is not
+            an int), or ``scale`` of something that is not a tensor.
+        ValueError: ``init_scale`` ≤ 0, ``growth_factor`` ≤ 1, ``backoff_factor`` outside (0, 1) or
+            ``growth_interval`` < 1; ``unscale_`` of fp16 gradients (keep fp32 master weights).
+        RuntimeError: ``unscale_`` twice for one optimizer in one iteration or after ``step``, ``step`` twice
+            before ``update``, or ``update`` with no ``step``/``unscale_`` since the last one.
     """
 
     def __init__(
@@ -274,6 +291,11 @@ def mixed_precision_train_step(
 
     Returns:
         The loss as a Python float (unscaled).
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module`` or ``batch`` not a pair ``(inputs, targets)``.
+        ValueError: an unsupported ``dtype``, fp16 without a ``scaler``, parameters that are not fp32, or a
+            ``max_grad_norm`` that is not positive.
     """
     dtype = as_compute_dtype(dtype)
     instance("model", model, nn.Module, "an nn.Module")
@@ -304,6 +326,9 @@ def saved_activation_bytes(fn: Callable[[], object]) -> int:
     matmuls) is counted once, at its full size. Parameters (and any leaf that requires grad, and
     views of them) are not counted: they exist anyway. Low-precision *copies* of parameters made by
     autocast are counted: this forward creates them and the graph keeps them alive.
+
+    Raises:
+        TypeError: ``fn`` is not callable.
     """
     if not callable(fn):
         raise TypeError(f"fn must be callable, got {type(fn).__name__}")
@@ -353,6 +378,11 @@ def activation_memory_estimate(
     Returns:
         ``{"per_layer": {item: bytes}, "layer_total": int, "layers": int, "embedding": int, "head": int,
         "loss": int, "weight_copies": int, "total": int, "recompute_peak": int}``.
+
+    Raises:
+        TypeError: a size that is not an int.
+        ValueError: a size that is not positive, an unsupported ``dtype`` or ``device_type``, or an unknown
+            ``checkpoint_policy``.
     """
     config = get_config(config)
     dtype = as_compute_dtype(dtype)
@@ -377,6 +407,10 @@ def checkpoint_segments(num_blocks: int, policy: str | int) -> list[range]:
 
     ``"none"`` → ``[]``; ``"every_block"`` (same as ``1``) → one segment per block; ``k`` → consecutive
     segments of ``k`` blocks (the last may be shorter): a checkpoint stored every ``k``-th block.
+
+    Raises:
+        TypeError: ``num_blocks`` is not an int.
+        ValueError: ``num_blocks < 1``, or a ``policy`` that is not ``"none"``, ``"every_block"`` or an int ≥ 1.
     """
     positive_int("num_blocks", num_blocks)
     k = _checkpoint_segment_length(num_blocks, policy)
@@ -398,6 +432,11 @@ def checkpointed(module_or_blocks: nn.Module, policy: str | int = "every_block")
     Parameters, their names and the ``state_dict`` are unchanged: the first block of a segment gets a
     ``forward`` that runs the whole segment under ``checkpoint``; the other blocks of the segment pass
     their input through. ``copy.deepcopy`` of the result stays consistent.
+
+    Raises:
+        TypeError: ``module_or_blocks`` is neither an ``nn.ModuleList`` of blocks nor a model with a ``layers``
+            list.
+        ValueError: an unknown ``policy``.
     """
     if isinstance(module_or_blocks, nn.ModuleList):
         blocks = module_or_blocks
@@ -443,6 +482,10 @@ def step_peak_memory(
     CUDA only (``RuntimeError`` on a CPU, whose allocator keeps no peak statistics). The peak includes
     what was allocated before the call (weights, optimizer state): run one step first so the optimizer
     state exists and you compare steady states. ``train_step`` needs ``optimizer``.
+
+    Raises:
+        ValueError: an unknown ``mode``, an unsupported ``dtype``, or ``mode='train_step'`` without an optimizer.
+        RuntimeError: CUDA is not available.
     """
     dtype = as_compute_dtype(dtype)
     choice("mode", mode, STEP_MODES)

@@ -16,6 +16,11 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal
 
     q: ``(..., Nq, D)``; k, v: ``(..., Nk, D)``; fp32, fp16 or bf16. Returns ``(..., Nq, D)`` in q's dtype.
     ``backend`` is ``"triton"`` (the kernels; CUDA, or the interpreter on a CPU) or ``"pytorch"``.
+
+    Raises:
+        TypeError: inputs that are not tensors, or of integer or mixed dtypes.
+        ValueError: an unknown ``backend``, mismatched shapes or devices, or a head dimension the Triton kernels do
+            not support.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {sorted(BACKENDS)}, got {backend!r}")

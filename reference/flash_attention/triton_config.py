@@ -141,7 +141,11 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 
 def check_triton_device(q: torch.Tensor) -> None:
-    """Compiled kernels need CUDA tensors; the interpreter runs on CPU tensors."""
+    """Compiled kernels need CUDA tensors; the interpreter runs on CPU tensors.
+
+    Raises:
+        ValueError: a tensor on a device the Triton kernels cannot run on (a CPU tensor without the interpreter).
+    """
     if not triton_interpreted() and q.device.type != "cuda":
         raise ValueError(f"FlashAttentionTriton needs CUDA tensors (q is on {q.device}); on a machine without "
                          "a GPU, `import kit` before triton so that TRITON_INTERPRET=1 runs the kernels on the CPU")

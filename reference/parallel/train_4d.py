@@ -122,7 +122,12 @@ def global_batch(cfg: Train4DConfig, step: int) -> tuple[torch.Tensor, torch.Ten
 
 
 def microbatches(cfg: Train4DConfig, step: int, shard: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The ``grad_accum_steps`` micro-batches of data shard ``shard`` (``0 ≤ shard < dp·ep``) at ``step``."""
+    """The ``grad_accum_steps`` micro-batches of data shard ``shard`` (``0 ≤ shard < dp·ep``) at ``step``.
+
+    Raises:
+        TypeError: ``shard`` is not an int.
+        ValueError: ``shard`` outside ``[0, dp·ep)``.
+    """
     index("shard", shard, cfg.dp * cfg.ep)  # a data shard: 0 ≤ shard < dp·ep
     # BEGIN SOLUTION MBS·GA consecutive rows for this shard, cut into GA micro-batches (handout 06 §5.2)
     inputs, targets = global_batch(cfg, step)
@@ -229,6 +234,9 @@ def train(cfg: Train4DConfig, mesh=None, *, step_callback=None) -> dict:
     Returns ``{"losses": [...] (same on every rank), "params": {name: local tensor}, "coords": {axis: index},
     "step_s": [...]}``. ``step_callback(step)`` returns a context manager entered around each step (the
     tests count the bytes each collective moves with it).
+
+    Raises:
+        TypeError: ``cfg`` is not a ``Train4DConfig``.
     """
     instance("cfg", cfg, Train4DConfig, "a Train4DConfig")
     mesh = mesh or build_mesh(dp=cfg.dp, tp=cfg.tp, pp=cfg.pp, ep=cfg.ep, device_type=cfg.device_type)
@@ -289,6 +297,9 @@ def train_on_ranks(cfg: Train4DConfig, *, timeout: float = 300.0) -> list[dict]:
     """Start ``cfg.world_size`` gloo ranks on this machine and :func:`train` on them (given code).
 
     Returns, by rank, ``{"losses": [...], "coords": {axis: index}, "step_s": [...]}``.
+
+    Raises:
+        TypeError: ``cfg`` is not a ``Train4DConfig``.
     """
     if not isinstance(cfg, Train4DConfig):
         raise TypeError(f"cfg must be a Train4DConfig, got {type(cfg).__name__}")

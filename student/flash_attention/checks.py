@@ -26,6 +26,11 @@ def check_attention_inputs(
     identical leading (batch/head) dimensions, one head dimension ``D`` shared by q, k and v, as many
     keys as values, non-empty sequences, and ``is_causal`` a bool. ``head_dims`` restricts ``D``
     (the Triton kernels support 16, 32, 64 and 128).
+
+    Raises:
+        TypeError: inputs that are not tensors, or of integer or mixed dtypes.
+        ValueError: mismatched batch or head dimensions, k and v of different lengths, or tensors on different
+            devices.
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):

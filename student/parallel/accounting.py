@@ -35,6 +35,10 @@ def training_state_bytes(num_params: float, *, zero_stage: int = 0, dp: int = 1,
     This is Stage 5's :func:`~reference.zero.zero_memory_accounting` — the one ZeRO formula of the kit —
     for ⌈num_params⌉ parameters, under this module's keys. Returns ``{"weights", "gradients",
     "optimizer", "total"}`` in bytes.
+
+    Raises:
+        TypeError: ``dp`` or a byte count that is not an int, ``num_params`` not a number.
+        ValueError: a value that is not positive, or ``zero_stage`` not in 0–3.
     """
     positive_number("num_params", num_params)
     positive_int("dp", dp)
@@ -49,6 +53,10 @@ def devices_needed(num_params: float, device_bytes: float, *, zero_stage: int, m
     The model is first split ``model_parallel`` ways (tp × pp: each device holds ``num_params /
     model_parallel``), then replicated or ZeRO-sharded over ``dp`` copies; returns ``dp × model_parallel``
     for the smallest ``dp`` that fits, with 16 bytes per parameter as in :func:`training_state_bytes`.
+
+    Raises:
+        TypeError: a value that is not a number.
+        ValueError: a value that is not positive, or ``zero_stage`` not in 0–3.
     """
     _positive(num_params=num_params, device_bytes=device_bytes, model_parallel=model_parallel)
     raise NotImplementedError("devices_needed: replicated bytes R + sharded bytes S/dp must fit: find the smallest dp (handout 06 §6.1)")
@@ -61,6 +69,10 @@ def activation_bytes_per_layer(seq_len: int, micro_batch: int, d_model: int, num
 
     ``s·b·h·(10 + 24/t + 5·a·s/(h·t))`` with tensor parallelism ``t`` (the 10 is the norms and dropouts
     that stay replicated), and ``s·b·h·(34 + 5·a·s/h)/t`` with sequence parallelism as well.
+
+    Raises:
+        TypeError: a size that is not a number.
+        ValueError: a size that is not positive.
     """
     _positive(seq_len=seq_len, micro_batch=micro_batch, d_model=d_model, num_heads=num_heads, tp=tp)
     s, b, h, a, t = seq_len, micro_batch, d_model, num_heads, tp
@@ -75,6 +87,10 @@ def memory_per_device(num_params: float, *, num_layers: int, seq_len: int, micro
     Training state of ``num_params / (tp·pp)`` parameters, ZeRO over ``dp``; activations of
     ``num_layers / pp`` layers for ``pp`` micro-batches in flight (1F1B's first stage). Returns
     ``{"weights", "gradients", "optimizer", "activations", "total"}``.
+
+    Raises:
+        TypeError: a size that is not a number.
+        ValueError: a size that is not positive, or ``zero_stage`` not in 0–3.
     """
     _positive(num_layers=num_layers, pp=pp, tp=tp)
     state = training_state_bytes(num_params / (tp * pp), zero_stage=zero_stage, dp=dp)
@@ -110,6 +126,10 @@ def comm_volume_per_step(cfg: Train4DConfig, stage: int) -> dict[tuple[str, str]
       backward, each all-to-all moving the ``E × capacity × d`` buffer: ``4·L·m·E·C·d``.
     * ``dp_ep``: the dense gradients all-reduced once per step, plus the reported loss (one float);
       ``dp``: the expert gradients.
+
+    Raises:
+        TypeError: ``cfg`` is not a ``Train4DConfig``, or ``stage`` not an int.
+        ValueError: ``stage`` outside ``[0, cfg.pp)``.
     """
     instance("cfg", cfg, Train4DConfig, "a Train4DConfig")
     index("stage", stage, cfg.pp)  # a pipeline stage
@@ -133,9 +153,14 @@ def fsdp_tp_compute_bound(*, peak_flops: float, fsdp_bandwidth: float, tp_bandwi
     * FSDP gathers its weight slice: ``2 · d · d_ff / tp`` bytes at ``fsdp_bandwidth``;
     * TP moves the activations: ``2 · (B/fsdp) · d`` bytes at ``tp_bandwidth``.
 
-    Compute covers FSDP traffic when ``B/fsdp ≥ peak_flops / fsdp_bandwidth`` and TP traffic when
-    ``d_ff/tp ≥ peak_flops / tp_bandwidth``. Returns ``min_tokens_per_fsdp_shard``, ``min_global_tokens``
-    (× fsdp) and ``max_tp`` (largest tp that stays compute-bound; < 1 means never).
+    The thresholds are the forward's with communication overlapped and no ring factors; derive them
+    (handout 06 Problem 6.9). Returns ``min_tokens_per_fsdp_shard`` (the fewest tokens ``B/fsdp`` for
+    which compute hides the FSDP all-gather), ``min_global_tokens`` (× fsdp) and ``max_tp`` (the largest
+    tp, as a float, for which compute hides the TP traffic; < 1 means never).
+
+    Raises:
+        ValueError: a bandwidth, peak, ``d_ff`` or ``fsdp`` that is not positive (``TypeError`` for a
+            value that is not a number).
     """
     _positive(peak_flops=peak_flops, fsdp_bandwidth=fsdp_bandwidth, tp_bandwidth=tp_bandwidth, d_ff=d_ff, fsdp=fsdp)
     raise NotImplementedError("fsdp_tp_compute_bound: compare compute time with each axis's communication time (handout 06 §6.4)")

@@ -35,6 +35,10 @@ def expert_capacity(num_tokens: int, num_experts: int, top_k: int, capacity_fact
     """Slots per expert: ``ceil(capacity_factor · num_tokens · top_k / num_experts)``, at least 1.
 
     ``capacity_factor=None`` means no dropping: ``num_tokens`` slots (a token picks an expert at most once).
+
+    Raises:
+        TypeError: a count that is not an int, or ``capacity_factor`` not a number (or None).
+        ValueError: a count or ``capacity_factor`` that is not positive.
     """
     for name, value in (("num_tokens", num_tokens), ("num_experts", num_experts), ("top_k", top_k)):
         positive_int(name, value)
@@ -60,6 +64,9 @@ def all_to_all(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch
     """Chunk ``i`` of dim 0 goes to rank ``i`` of ``group``; chunk ``j`` of the result came from rank ``j``.
 
     ``x.shape[0]`` must be divisible by the group size. Differentiable.
+
+    Raises:
+        ValueError: dim 0 of ``x`` is not divisible by the group size.
     """
     size = dist.get_world_size(group)
     if x.shape[0] % size:

@@ -71,6 +71,9 @@ def dense_grad_group(mesh: DeviceMesh) -> dist.ProcessGroup:
     its group ranks follow (dp, ep) row-major, as in :func:`rank_grid`. Creating process groups is
     collective — every rank creates every group, in the same order — so the first call for a mesh must
     happen on every rank; later calls return the same group (``train_step`` asks for it every step).
+
+    Raises:
+        TypeError: ``mesh`` is not a DeviceMesh with the dims of :func:`build_mesh`.
     """
     if not isinstance(mesh, DeviceMesh) or tuple(mesh.mesh_dim_names or ()) != MESH_DIMS:
         raise TypeError(f"mesh must be a DeviceMesh with dims {MESH_DIMS} (from build_mesh), got {mesh!r}")

@@ -35,14 +35,24 @@ Op = tuple[str, int]  # ("F", i) or ("B", i)
 
 
 def bubble_fraction(p: int, m: int) -> float:
-    """Idle fraction of a GPipe or 1F1B step with ``p`` stages and ``m`` micro-batches: ``(p−1)/(m+p−1)``."""
+    """Idle fraction of a GPipe or 1F1B step with ``p`` stages and ``m`` micro-batches: ``(p−1)/(m+p−1)``.
+
+    Raises:
+        TypeError: ``p`` or ``m`` is not an int.
+        ValueError: ``p < 1`` or ``m < 1``.
+    """
     positive_int("p", p)
     positive_int("m", m)
     raise NotImplementedError("bubble_fraction: p−1 idle slots out of m+p−1 (handout 06 §3.2)")
 
 
 def split_layers(num_layers: int, pp: int) -> list[tuple[int, int]]:
-    """Contiguous ``[start, end)`` layer ranges for ``pp`` stages; the first ``num_layers % pp`` get one more."""
+    """Contiguous ``[start, end)`` layer ranges for ``pp`` stages; the first ``num_layers % pp`` get one more.
+
+    Raises:
+        TypeError: ``num_layers`` or ``pp`` is not an int.
+        ValueError: ``pp < 1`` or more stages than layers.
+    """
     integer("pp", pp, minimum=1, maximum=positive_int("num_layers", num_layers))  # 1 ≤ pp ≤ num_layers
     raise NotImplementedError("split_layers: balance the layers, earlier stages take the remainder (handout 06 §3.1)")
 
@@ -181,6 +191,9 @@ def run_schedule(
 
     Point-to-point: activations go to group rank ``s+1``, gradients to ``s−1``, with ``dist.isend`` (waited
     at the end of the step) and blocking ``dist.recv``. Returns a :class:`PipelineResult`.
+
+    Raises:
+        ValueError: a schedule that does not match the micro-batches or this stage.
     """
     m = len(microbatches)
     if m < 1:
@@ -238,6 +251,10 @@ def simulate_schedule(kind: str, p: int, m: int, t_forward: float = 1.0, t_backw
     Each stage runs its ops in order; ``F i`` on stage ``s`` waits for ``F i`` on ``s−1``, ``B i`` waits for
     ``B i`` on ``s+1`` (on the last stage, for its own ``F i``). Communication is free. Given helper for
     the notebook and the benchmark; uses :func:`gpipe_order` / :func:`one_f_one_b_order`.
+
+    Raises:
+        ValueError: an unknown ``kind``.
+        RuntimeError: a schedule that deadlocks (no stage can make progress).
     """
     choice("kind", kind, SCHEDULES)
     orders = [ORDERS[kind](p, s, m) for s in range(p)]

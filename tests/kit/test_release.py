@@ -6,6 +6,7 @@ import json
 import os
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -120,6 +121,26 @@ def test_release_contains_no_solution_text(built_release: Path):
     assert not leaks, "solution text leaked into the release:\n" + "\n".join(leaks[:20])
 
 
+def test_release_contains_no_answer_key(built_release: Path):
+    """The instructor's answer key never ships: not its templates (instructor/), not its renderer
+    (kit/answers.py), not a rendered key, and no line of a key's text in any shipped file."""
+    assert (ROOT / "instructor" / "answers").is_dir(), "the answer key is missing from the instructor's kit"
+    for path in ("instructor", "kit/answers.py", "answers-output"):
+        assert not (built_release / path).exists(), f"the student release contains {path}"
+    handouts = "\n".join(p.read_text() for p in (ROOT / "handout").glob("*.md"))
+    key_lines = {ln.strip() for p in (ROOT / "instructor" / "answers").glob("*") if p.is_file()
+                 for ln in p.read_text().splitlines() if len(ln.strip()) >= 60}
+    key_lines = {ln for ln in key_lines if ln not in handouts}  # a key may quote its problem's wording
+    shipped = {p: p.read_text(errors="ignore") for p in built_release.rglob("*")
+               if p.is_file() and p.suffix in (".py", ".md", ".ipynb", ".txt", ".toml", ".sh", "")}
+    leaks = [f"{p.relative_to(built_release)}: {ln[:80]!r}" for p, text in shipped.items() for ln in key_lines
+             if ln in text]
+    assert not leaks, "answer-key text leaked into the release:\n" + "\n".join(leaks[:20])
+    proc = subprocess.run([sys.executable, "-m", "kit", "answers"], cwd=built_release, capture_output=True, text=True,
+                          env=_student_env(built_release), timeout=120)
+    assert proc.returncode != 0 and "instructor" in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+
+
 def test_release_test_command_grades_the_stubs_as_zero(built_release: Path):
     proc = subprocess.run(["make", "test", "STAGE=1"], cwd=built_release, env=_student_env(built_release),
                           capture_output=True, text=True, timeout=600)
@@ -135,7 +156,7 @@ def test_release_help_lists_student_targets_only(built_release: Path):
     assert proc.returncode == 0, proc.stderr
     targets = {line.split()[1] for line in proc.stdout.splitlines() if line.strip().startswith("make ")}
     assert {"grade", "test", "setup", "lint", "doctor"} <= targets, proc.stdout
-    instructor = {"student", "check-student", "release", "autograder", "soak", "test-reference", "test-kit"}
+    instructor = {"student", "check-student", "release", "autograder", "soak", "test-reference", "test-kit", "answers"}
     assert not targets & instructor, f"`make help` in the release lists instructor targets: {targets & instructor}"
     assert "everything CI checks" not in proc.stdout and "grade student/" in proc.stdout
 

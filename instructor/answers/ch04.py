@@ -1,0 +1,54 @@
+"""Numbers for the chapter 04 key (DDP): bucket sizes from the overhead model, α and β fitted to the results."""
+
+from __future__ import annotations
+
+import math
+
+from kit import answers
+
+
+def small_grad_bytes() -> int:
+    """fp32 gradient bytes of the `small` preset (every parameter trains, the embedding included)."""
+    return answers.num_params("small") * 4
+
+
+def b_star(S: float, alpha: float, beta: float) -> float:
+    """The additive model's optimum: d/db (S·α/b + b/β) = 0 → b* = √(S·α·β)."""
+    return math.sqrt(S * alpha * beta)
+
+
+def exposed_additive(S: float, alpha: float, beta: float, b: float) -> float:
+    """The additive model's exposed time for buckets of b bytes: (S/b)·α + b/β."""
+    return S / b * alpha + b / beta
+
+
+def fit_alpha_beta(world_size: int = 2) -> tuple[float, float]:
+    """Least-squares α (s) and β (bytes/s, algorithm bandwidth) of time = α + S/β over the committed
+    collectives results of one world size."""
+    rows = [r for r in answers.results("collectives")["rows"] if r["world_size"] == world_size]
+    xs = [r["size_bytes"] for r in rows]
+    ys = [r["time_ms"] / 1e3 for r in rows]
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum((x - mx) ** 2 for x in xs)
+    return my - slope * mx, 1 / slope
+
+
+def ddp_grad_bytes() -> float:
+    """The gradient bytes of the model bench_ddp measured (from its committed results)."""
+    return answers.results("ddp")["rows"][0]["grad_mib"] * 2**20
+
+
+def fastest_bucketed() -> dict:
+    rows = [r for r in answers.results("ddp")["rows"] if r["method"] == "bucketed"]
+    return min(rows, key=lambda r: r["step_ms"])
+
+
+def fastest_method() -> dict:
+    rows = [r for r in answers.results("ddp")["rows"] if r["method"] != "torch DDP"]
+    return min(rows, key=lambda r: r["step_ms"])
+
+
+def describe(row: dict) -> str:
+    """``"bucketed, 1 MB buckets"`` or ``"individual"``: a bench_ddp row's method as the key names it."""
+    return f"{row['method']}, {row['bucket_mb']:g} MB buckets" if row["bucket_mb"] is not None else row["method"]
