@@ -13,7 +13,7 @@ MUTANTS = [
            find="        flat.div_(self.world_size)",
            replace="        flat.div_(dist.get_world_size())",
            mistake="FlatDDP divides by the default group's size instead of the process group's (§1)",
-           expect="flat over the process_group of ranks \\[1, 2\\]"),
+           expect="flat over the process_group of ranks"),
     Mutant("broadcast-src-group-rank", "ddp.py",
            find="    src = _group_source_rank(process_group)",
            replace="    src = 0  # the group's first rank",
@@ -94,7 +94,8 @@ MUTANTS = [
                    "or complain they were already sent (§4)",
            expect="step 2|already|after the bucket was sent"),
     Mutant("no-sync-not-restored-on-exception", "ddp.py",
-           find="        try:\n            yield\n        finally:\n            self.require_backward_grad_sync = previous",
+           find="        try:\n            yield\n        finally:\n"
+                "            self.require_backward_grad_sync = previous",
            replace="        yield\n        self.require_backward_grad_sync = previous",
            mistake="no_sync restores the setting only on a normal exit: an exception inside leaves "
                    "synchronisation off for the rest of training (§5)",
