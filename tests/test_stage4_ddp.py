@@ -1,6 +1,6 @@
 """Stage 4 — distributed data parallel (handout/04-ddp.md).
 
-Every distributed check runs on 2 gloo ranks, one spawn per test (``kit.checks.run_check``: a hang costs
+Every distributed check runs on 2 or 3 gloo ranks, one spawn per test (``kit.checks.run_check``: a hang costs
 that test only). The expected values come from a single process training the same model on the full
 batch, or from recording what the implementation sends (``kit.comm_log.CommLog`` sees every collective
 and every ``wait()``, whoever issues it). Rank functions live at module level so the spawned ranks can
@@ -11,11 +11,15 @@ the model, the class and the step; the test re-raises it (a stub's ``NotImplemen
 
 from __future__ import annotations
 
+import contextlib
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import kit.impl
 from kit.checks import run_check
@@ -29,9 +33,16 @@ pytestmark = pytest.mark.stage4
 WORLD = 2
 TIMEOUT = 120
 KINDS = ("naive", "flat", "individual", "bucketed")
-# A bucket cap small enough to split every toy model into several buckets, and None (one bucket).
+# A bucket cap small enough to split every toy model into several buckets, and None (one bucket). 0.0005 MiB is
+# 524 bytes: no parameter's byte size is a multiple of it, so an off-by-one at the cap changes the buckets.
 BUCKET_SIZES = (0.0005, None)
-FULL_BATCH = 8  # split into WORLD shards of 4, and for no_sync into 2 micro-batches of 2
+FULL_BATCH = 12  # 3 shards of 4, 2 of 6 (and for no_sync 2 micro-batches of 3), or 1 of 12
+# The training tests run 3 ranks twice: over the default group, then over process groups [0] and [1, 2]. In
+# [1, 2] global rank 1 is group rank 0 (the broadcast source) and global rank 2 is group rank 1, and the group
+# has 2 ranks while the world has 3: a global rank used as a group rank, or the world size used as the group's,
+# gives a wrong answer.
+TRAIN_WORLD = 3
+SUBGROUPS = [[0], [1, 2]]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -40,17 +51,19 @@ FULL_BATCH = 8  # split into WORLD shards of 4, and for no_sync into 2 micro-bat
 
 
 class FrozenParts(nn.Module):
-    """Linear → ReLU·scale → Linear, where fc1's bias and the scale vector do not require grad."""
+    """Linear → +shift → ReLU·scale → Linear; fc1's bias and the scale vector do not require grad, and
+    ``shift`` is a buffer (random, so it differs from rank to rank until the broadcast)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.fc1 = nn.Linear(8, 16)
         self.fc1.bias.requires_grad_(False)
         self.scale = nn.Parameter(torch.rand(16) + 0.5, requires_grad=False)
+        self.register_buffer("shift", 0.1 * torch.randn(16))
         self.fc2 = nn.Linear(16, 4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(torch.relu(self.fc1(x)) * self.scale)
+        return self.fc2(torch.relu(self.fc1(x) + self.shift) * self.scale)
 
 
 class TiedWeights(nn.Module):
@@ -122,15 +135,15 @@ def make_optimizer(params) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=0.1)
 
 
-def wrap(impl, kind: str, model: nn.Module, bucket_mb: float | None = None):
+def wrap(impl, kind: str, model: nn.Module, bucket_mb: float | None = None, group=None):
     ddp = impl.ddp
     if kind == "naive":
-        return ddp.NaiveDDP(model)
+        return ddp.NaiveDDP(model, process_group=group)
     if kind == "flat":
-        return ddp.FlatDDP(model)
+        return ddp.FlatDDP(model, process_group=group)
     if kind == "individual":
-        return ddp.DDPIndividualParameters(model)
-    return ddp.DDPBucketed(model, bucket_size_mb=bucket_mb)
+        return ddp.DDPIndividualParameters(model, process_group=group)
+    return ddp.DDPBucketed(model, bucket_size_mb=bucket_mb, process_group=group)
 
 
 def label(kind: str, bucket_mb: float | None) -> str:
@@ -167,38 +180,68 @@ def _construction_rank() -> dict:
 
 
 def _training_rank(kind: str, steps: int) -> None:
-    """Train each toy model for ``steps`` steps; after each, compare with a single process on the full batch."""
+    """Train each toy model for ``steps`` steps; after each, compare with a single process on the full batch.
+
+    Twice: over the default group of 3 ranks, then over the process groups of SUBGROUPS (rank 0 alone; ranks
+    1 and 2 together, with rank 1's weights as the start). A rank trains on the shard of its *group* rank.
+    """
     impl = kit.impl.load()
     rank = dist.get_rank()
-    section = "handout 04 §2–§4"
-    for bucket_mb in BUCKET_SIZES if kind == "bucketed" else (None,):
-        for name in MODELS:
-            reference = build(name, seed=0)  # what rank 0 starts from: the broadcast makes it everyone's start
-            model = build(name, seed=rank)
-            ddp = wrap(impl, kind, model, bucket_mb)
-            optimizer, ref_optimizer = make_optimizer(ddp.parameters()), make_optimizer(reference.parameters())
-            for step in range(steps):
-                x, y = full_batch(name, step)
-                ref_optimizer.zero_grad(set_to_none=True)
-                loss_fn(reference, x, y).backward()
-                ref_optimizer.step()
+    subgroup, _ = dist.new_subgroups_by_enumeration(SUBGROUPS)
+    members = next(g for g in SUBGROUPS if rank in g)
+    settings = ((None, list(range(TRAIN_WORLD)), f"default group of {TRAIN_WORLD} ranks"),
+                (subgroup, members, f"process_group of ranks {members}"))
+    section = "handout 04 §1–§4"
+    for group, ranks, where in settings:
+        source, index, parts = ranks[0], ranks.index(rank), len(ranks)
+        for bucket_mb in BUCKET_SIZES if kind == "bucketed" else (None,):
+            for name in MODELS:
+                # The group's first rank is the broadcast source: its start is everyone's start.
+                reference = build(name, seed=source)
+                model = build(name, seed=rank)
+                ddp = wrap(impl, kind, model, bucket_mb, group)
+                optimizer, ref_optimizer = make_optimizer(ddp.parameters()), make_optimizer(reference.parameters())
+                for step in range(steps):
+                    x, y = full_batch(name, step)
+                    ref_optimizer.zero_grad(set_to_none=True)
+                    loss_fn(reference, x, y).backward()
+                    ref_optimizer.step()
 
-                optimizer.zero_grad(set_to_none=True)
-                ddp.on_train_batch_start()
-                loss_fn(ddp, shard(x, rank, WORLD), shard(y, rank, WORLD)).backward()
-                ddp.finish_gradient_synchronization()
-                what = f"{label(kind, bucket_mb)} on {name}, step {step + 1}"
-                for pname, p in model.named_parameters():
-                    if not p.requires_grad and p.grad is not None:
-                        raise AssertionError(f"rank {rank}, {what}: frozen parameter {pname} got a .grad; "
-                                             "parameters that do not require grad must be left alone (handout 04 §1)")
-                if name == "UnusedParameter" and model.never_used.weight.grad is not None:
-                    raise AssertionError(
-                        f"rank {rank}, {what}: never_used.weight got a .grad although forward never used it; "
-                        "a parameter without a gradient must keep grad None, or the optimizer's weight decay "
-                        "moves it (handout 04 §7)")
-                optimizer.step()
-                check_params(model, reference, f"{what} (vs one process on the full batch)", section)
+                    optimizer.zero_grad(set_to_none=True)
+                    ddp.on_train_batch_start()
+                    loss = loss_fn(ddp, shard(x, index, parts), shard(y, index, parts))
+                    what = (f"{label(kind, bucket_mb)} over the {where} (group rank {index} of {parts}) on {name}, "
+                            f"step {step + 1}")
+                    # The first step of the overlapping classes is recorded: every async all-reduce must be waited on.
+                    recorded = step == 0 and kind in ("individual", "bucketed")
+                    with CommLog() if recorded else contextlib.nullcontext() as log:
+                        loss.backward()
+                        ddp.finish_gradient_synchronization()
+                    never = _never_waited(log.events) if recorded else []
+                    if never:
+                        raise AssertionError(
+                            f"rank {rank}, {what}: async all-reduce #{never[0]} was never waited on before "
+                            "finish_gradient_synchronization returned: the optimizer may read the gradient before "
+                            "the reduction has landed. Call wait() on every handle in "
+                            f"finish_gradient_synchronization (handout 04 §3). Events in order: {log.format()}")
+                    for pname, p in model.named_parameters():
+                        if not p.requires_grad and p.grad is not None:
+                            raise AssertionError(
+                                f"rank {rank}, {what}: frozen parameter {pname} got a .grad; parameters that do "
+                                "not require grad must be left alone (handout 04 §1)")
+                    if name == "UnusedParameter" and model.never_used.weight.grad is not None:
+                        raise AssertionError(
+                            f"rank {rank}, {what}: never_used.weight got a .grad although forward never used it; "
+                            "a parameter without a gradient must keep grad None, or the optimizer's weight decay "
+                            "moves it (handout 04 §7)")
+                    optimizer.step()
+                    check_params(model, reference, f"{what} (vs one process on the full batch; a group's "
+                                 f"gradients are averaged over its {parts} ranks, its first rank {source} is "
+                                 "the broadcast source)", section)
+
+
+class _AbortedMicroBatch(Exception):
+    """Raised inside ``no_sync()`` by the no_sync test, as a failing micro-batch would."""
 
 
 def _no_sync_rank(steps: int) -> None:
@@ -220,6 +263,14 @@ def _no_sync_rank(steps: int) -> None:
                 xs, ys = shard(x, rank, WORLD), shard(y, rank, WORLD)
                 optimizer.zero_grad(set_to_none=True)
                 ddp.on_train_batch_start()
+                if step == 0:
+                    # A failed micro-batch (e.g. out of memory) leaves the context by an exception; it must not leave
+                    # synchronisation switched off for the rest of training.
+                    try:
+                        with ddp.no_sync():
+                            raise _AbortedMicroBatch
+                    except _AbortedMicroBatch:
+                        pass
                 with CommLog() as log, ddp.no_sync():
                     # Forward and backward both inside: the loss is halved because the full-batch loss is
                     # the mean over two micro-batches.
@@ -231,14 +282,22 @@ def _no_sync_rank(steps: int) -> None:
                     raise AssertionError(
                         f"rank {rank}, {what}: {len(inside)} collectives were issued inside no_sync() "
                         f"({log.format()}); gradients must only accumulate locally there (handout 04 §5)")
-                (loss_fn(ddp, shard(xs, 1, 2), shard(ys, 1, 2)) / 2).backward()
-                ddp.finish_gradient_synchronization()
+                with CommLog() as log:
+                    (loss_fn(ddp, shard(xs, 1, 2), shard(ys, 1, 2)) / 2).backward()
+                    ddp.finish_gradient_synchronization()
+                if not log.collectives("all_reduce"):
+                    raise AssertionError(
+                        f"rank {rank}, {what}: the micro-batch after the no_sync() block issued no all-reduce"
+                        + (" — in step 1 a no_sync() block was left by an exception before it: no_sync must restore "
+                           "the previous setting on exit even then (try/finally around the yield)" if step == 0 else "")
+                        + f"; events: {log.format()} (handout 04 §5)")
                 optimizer.step()
                 check_params(model, reference, f"{what} with 2 accumulated micro-batches "
                              "(vs one process on the full batch)", "handout 04 §5")
 
 
 OVERLAP_CAP_MB = 0.0041  # 4299 bytes
+OVERLAP_STEPS = 2  # the second step shows per-step state (ready counts, handles) that was not reset
 
 
 class Deep(nn.Module):
@@ -260,39 +319,53 @@ def build_deep(seed: int) -> nn.Module:
 
 
 def _overlap_events_rank() -> dict:
-    """For individual and bucketed DDP: gradient-ready marks, collectives and waits of one step, in order."""
+    """For individual and bucketed DDP: gradient-ready marks, collectives and waits of two steps, in order."""
     impl = kit.impl.load()
     rank = dist.get_rank()
     report: dict = {}
     for kind in ("individual", "bucketed"):
         model = build_deep(rank)
-        log = CommLog()
+        logs = [CommLog() for _ in range(OVERLAP_STEPS)]
+        current: list[CommLog] = []
         # Registered before DDP's own hooks, so for each parameter "grad ready" is logged before any
         # all-reduce that this gradient triggers.
         for pname, p in model.named_parameters():
-            p.register_post_accumulate_grad_hook(lambda _p, n=pname, log=log: log.mark(f"grad {n}"))
+            p.register_post_accumulate_grad_hook(lambda _p, n=pname, cur=current: cur[-1].mark(f"grad {n}"))
         ddp = wrap(impl, kind, model, OVERLAP_CAP_MB)
         if kind == "bucketed":
             report["bucket_names"] = ddp.bucket_names
             report["bucket_numels"] = ddp.bucket_numels
-        x = torch.randn(4, 32, generator=torch.Generator().manual_seed(rank))
-        ddp.on_train_batch_start()
-        loss = ddp(x).square().mean()
-        with log:
-            loss.backward()
-            log.mark("backward returned")
-            ddp.finish_gradient_synchronization()
-        report[kind] = log.events
+        optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        for step, log in enumerate(logs):
+            x = torch.randn(4, 32, generator=torch.Generator().manual_seed(10 * step + rank))
+            optimizer.zero_grad(set_to_none=True)
+            ddp.on_train_batch_start()
+            loss = ddp(x).square().mean()
+            current.append(log)
+            with log:
+                loss.backward()
+                log.mark("backward returned")
+                ddp.finish_gradient_synchronization()
+                log.mark("finish returned")
+            optimizer.step()
+        report[kind] = [log.events for log in logs]
     return report
 
 
 def _mismatched_models_rank() -> None:
     impl = kit.impl.load()
+    rank = dist.get_rank()
     model = FrozenParts()
-    if dist.get_rank() == 1:
+    if rank == 1:
         model.fc2 = nn.Linear(16, 5)  # a different architecture on one rank: a classic DDP misuse
-    impl.ddp.NaiveDDP(model)
-    dist.barrier()
+    with raises(ValueError, match="fc2", section="handout 04 §1",
+                what=f"rank {rank}: NaiveDDP(model) where rank 1's model has fc2 = Linear(16, 5) and rank 0's "
+                "Linear(16, 4)",
+                hint="Construction must first compare the replicas (verify_same_model: all_gather_object each rank's "
+                "(name, shape, dtype, requires_grad) list) and raise ValueError naming the first parameter that "
+                "differs, on every rank, before any broadcast: broadcasting mismatched tensors fails with an opaque "
+                "gloo error or hangs on NCCL."):
+        impl.ddp.NaiveDDP(model)
 
 
 def _failing_rank() -> None:
@@ -307,6 +380,54 @@ def _failing_rank() -> None:
             raise RuntimeError("rank 1 lost its data loader")  # rank 0 goes on into a collective alone
         loss.backward()
         ddp.finish_gradient_synchronization()
+
+
+class _SlowAllReduce(TorchDispatchMode):
+    """Makes every all-reduce of this rank start ``before`` seconds late and return ``after`` seconds late.
+
+    Seen at the dispatcher (``c10d::allreduce_``), so it applies however ``time_all_reduce`` calls the collective.
+    The all-reduce is waited on before the ``after`` delay: the caller gets it back finished.
+    """
+
+    def __init__(self, before: float, after: float) -> None:
+        super().__init__()
+        self.before, self.after = before, after
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.namespace != "c10d" or func._schema.name.split("::")[-1] != "allreduce_":
+            return func(*args, **kwargs)
+        time.sleep(self.before)
+        out = func(*args, **kwargs)
+        dist.distributed_c10d.Work.unbox(out[-1]).wait()
+        time.sleep(self.after)
+        return out
+
+
+# Rank 0's all-reduces start DELAY_S·scale late, rank 1's return DELAY_S·scale late. Timed correctly (a barrier
+# before each call, then the slowest rank), a call takes DELAY_S·scale (rank 1 waits for rank 0) + DELAY_S·scale
+# (rank 1's late return): 2·DELAY_S·scale, and never less (a sleep never returns early). Without the barrier rank 0
+# starts the next call while rank 1 is still returning, and both time max(before + after) = DELAY_S·scale; without
+# the MAX rank 0 reports DELAY_S·scale.
+DELAY_S = 0.2
+DELAY_SCALES = (1, 1.5)
+# Error model of the correct answer: + one 4 KiB gloo all-reduce (~0.1 ms) + sleep and scheduling overshoot
+# (~0.1 ms idle; tens of ms on an overloaded 2-core machine) per call, so the slack is as wide as it can be while
+# every wrong answer stays outside: 0.9·DELAY_S·scale. It is below DELAY_S·scale (summing the two ranks' times
+# gives 3·DELAY_S·scale), below the 2·DELAY_S·scale that summing the 2 timed calls instead of averaging adds, and
+# a constant cannot lie in both [0.4, 0.58] s (scale 1) and [0.6, 0.87] s (scale 1.5).
+DELAY_SLACK = 0.9
+
+
+def _delayed_time_rank() -> list[float]:
+    impl = kit.impl.load()
+    rank = dist.get_rank()
+    out = []
+    for scale in DELAY_SCALES:
+        before, after = (DELAY_S * scale, 0.0) if rank == 0 else (0.0, DELAY_S * scale)
+        with _SlowAllReduce(before, after):
+            out.append(impl.collectives.time_all_reduce(4096, warmup=1, iters=2))
+    return out
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -329,35 +450,39 @@ def test_ranks_agree_after_construction() -> None:
                              "construction vs rank 0's initial value", section="handout 04 §1", rtol=0, atol=0)
 
 
-# One test per class, so each handout problem owns its own. Each trains 4 models (frozen parts, tied weights, an
-# unused parameter, a tiny Transformer) for 3 SGD steps; after every step both ranks' parameters must equal one
-# process trained on the full batch.
+# One test per class, so each handout problem owns its own. Each trains 4 models (frozen parts and a buffer, tied
+# weights, an unused parameter, a tiny Transformer) for 3 SGD steps on 3 ranks, over the default group and over
+# process groups [0] and [1, 2]; after every step every rank's parameters must equal one process trained on the
+# full batch from the group's first rank's weights. Tolerance: the ranks average 2 or 3 fp32 shard gradients
+# (a few ulps of reordering per step, amplified by 3 momentum steps), far below rtol 1e-5 / atol 1e-6, while a
+# wrong scale (sum, or divide by 3 instead of 2) moves every parameter by ~lr·|grad| ≈ 1e-2.
 
 
 @pytest.mark.points(3)
 def test_naive_ddp_matches_single_process() -> None:
-    run_check(_training_rank, WORLD, args=("naive", 3), timeout=TIMEOUT)
+    run_check(_training_rank, TRAIN_WORLD, args=("naive", 3), timeout=TIMEOUT)
 
 
 @pytest.mark.points(3)
 def test_flat_ddp_matches_single_process() -> None:
-    run_check(_training_rank, WORLD, args=("flat", 3), timeout=TIMEOUT)
+    run_check(_training_rank, TRAIN_WORLD, args=("flat", 3), timeout=TIMEOUT)
 
 
 @pytest.mark.points(3)
 def test_individual_ddp_matches_single_process() -> None:
-    run_check(_training_rank, WORLD, args=("individual", 3), timeout=TIMEOUT)
+    run_check(_training_rank, TRAIN_WORLD, args=("individual", 3), timeout=TIMEOUT)
 
 
 @pytest.mark.points(3)
 def test_bucketed_ddp_matches_single_process() -> None:
     """Twice: with a 0.0005 MiB cap (several buckets per model) and with bucket_size_mb=None (one bucket)."""
-    run_check(_training_rank, WORLD, args=("bucketed", 3), timeout=TIMEOUT)
+    run_check(_training_rank, TRAIN_WORLD, args=("bucketed", 3), timeout=TIMEOUT)
 
 
 @pytest.mark.points(3)
 def test_no_sync_accumulates_without_communicating() -> None:
-    """Inside no_sync no collective is issued; the accumulated step equals the full-batch step."""
+    """Inside no_sync no collective is issued; the accumulated step equals the full-batch step; a no_sync block
+    left by an exception restores synchronisation."""
     run_check(_no_sync_rank, WORLD, args=(2,), timeout=TIMEOUT)
 
 
@@ -385,6 +510,13 @@ def test_bucket_assignment(impl) -> None:
             assign(params(1), cap)
 
 
+def _never_waited(events: list[Event]) -> list[int]:
+    """Indices of the async all-reduces in ``events`` that no recorded ``wait()`` waits on."""
+    waited = {e.target for e in events if e.kind == "wait"}
+    return [i for i, e in enumerate(events)
+            if e.kind == "collective" and e.op == "all_reduce" and e.async_op and i not in waited]
+
+
 def _waited_at_once(events: list[Event], grads: list[int]) -> list[tuple[int, int]]:
     """(launch, wait) of each collective launched during backward and waited on before the next gradient.
 
@@ -402,8 +534,9 @@ def _waited_at_once(events: list[Event], grads: list[int]) -> list[tuple[int, in
 
 @pytest.mark.points(4)
 def test_communication_overlaps_backward() -> None:
-    """The first all-reduce is launched before backward produced the last gradient; one flat async
-    all-reduce per bucket (per parameter for DDPIndividualParameters), not waited on at once."""
+    """In each of two steps: the first all-reduce is launched before backward produced the last gradient; one flat
+    async all-reduce per bucket (per parameter for DDPIndividualParameters), not waited on at once, and every
+    one waited on before finish_gradient_synchronization returns."""
     report = run_check(_overlap_events_rank, WORLD, timeout=TIMEOUT)[0]
     # Expected buckets for Deep with a 0.0041 MiB (4299 B) cap: a layer's bias (128 B) + weight (4096 B)
     # is 4224 B; adding the next layer's bias would make 4352 B.
@@ -414,49 +547,59 @@ def test_communication_overlaps_backward() -> None:
                  section="handout 04 §4")
     fp32 = 4
     for kind, expected_bytes in (("individual", None), ("bucketed", [fp32 * (32 * 32 + 32)] * 6)):
-        events = report[kind]
-        trace = format_events(events)
-        grads = [i for i, e in enumerate(events) if e.kind == "mark" and e.label.startswith("grad ")]
-        returned = next(i for i, e in enumerate(events) if e.kind == "mark" and e.label == "backward returned")
-        reduces = [i for i, e in enumerate(events) if e.kind == "collective" and e.op == "all_reduce"]
-        assert len(grads) == 12, f"{kind}: expected 12 gradient-ready events, got {len(grads)}; events: {trace}"
-        assert reduces, f"{kind}: no dist.all_reduce during the step (handout 04 §3). Events: {trace}"
-        assert reduces[0] < grads[-1], (
-            f"{kind}: the first all-reduce must be launched during backward, before the last gradient "
-            f"({events[grads[-1]].label[5:]}) is ready — that is what overlaps communication with computation "
-            f"(handout 04 §3–§4). Events in order: {trace}")
-        not_async = [i for i in reduces if not events[i].async_op]
-        launched_during_backward = [i for i in reduces if i < returned]
-        assert not not_async and launched_during_backward, (
-            f"{kind}: every all-reduce launched from a hook must pass async_op=True, or backward waits for "
-            f"it (handout 04 §3). Events in order: {trace}")
-        at_once = _waited_at_once(events, grads)
-        assert not at_once, (
-            f"{kind}: all-reduce #{at_once[0][0]} is waited on (event {at_once[0][1]}) before backward computed "
-            "another gradient: wait() right after launching blocks backward until the all-reduce is done, so "
-            "nothing overlaps. Keep the handle and wait in finish_gradient_synchronization (handout 04 §3). "
-            f"Events in order: {trace}")
-        nbytes = [events[i].nbytes for i in reduces]
-        if expected_bytes is None:
-            assert_equal(sorted(nbytes), sorted([fp32 * 32 * 32, fp32 * 32] * 6),
-                         name=f"{kind}: bytes of the all-reduced tensors (one per parameter)",
-                         section="handout 04 §3")
-        else:
-            assert_equal(nbytes, expected_bytes,
-                         name=f"{kind}: bytes of the all-reduced tensors, in launch order (one flat buffer "
-                         "per bucket, bucket 0 first)", section="handout 04 §4")
+        for step, events in enumerate(report[kind], start=1):
+            _check_overlap(f"{kind}, step {step}", events, expected_bytes)
+
+
+def _check_overlap(what: str, events: list[Event], expected_bytes: list[int] | None) -> None:
+    """One step's events (see _overlap_events_rank) against what overlapping DDP must do (handout 04 §3–§4)."""
+    fp32 = 4
+    trace = format_events(events)
+    grads = [i for i, e in enumerate(events) if e.kind == "mark" and e.label.startswith("grad ")]
+    returned = next(i for i, e in enumerate(events) if e.kind == "mark" and e.label == "backward returned")
+    finished = next(i for i, e in enumerate(events) if e.kind == "mark" and e.label == "finish returned")
+    reduces = [i for i, e in enumerate(events) if e.kind == "collective" and e.op == "all_reduce"]
+    assert len(grads) == 12, f"{what}: expected 12 gradient-ready events, got {len(grads)}; events: {trace}"
+    assert reduces, f"{what}: no dist.all_reduce during the step (handout 04 §3). Events: {trace}"
+    assert reduces[0] < grads[-1], (
+        f"{what}: the first all-reduce must be launched during backward, before the last gradient "
+        f"({events[grads[-1]].label[5:]}) is ready — that is what overlaps communication with computation "
+        "(handout 04 §3–§4); a hook that launches nothing because its per-step state (ready counts, handles) "
+        f"was not reset since the last step shows up here too. Events in order: {trace}")
+    # async_op is read from the recorded operator call, so dist.all_reduce(t, op, group, True) counts as async.
+    not_async = [i for i in reduces if i < returned and not events[i].async_op]
+    assert not not_async, (
+        f"{what}: all-reduce #{not_async[0]} was launched from a hook with async_op=False: backward waits for it, "
+        f"nothing overlaps; pass async_op=True and keep the handle (handout 04 §3). Events in order: {trace}")
+    at_once = _waited_at_once(events, grads)
+    assert not at_once, (
+        f"{what}: all-reduce #{at_once[0][0]} was waited immediately, no overlap: its wait() (event "
+        f"{at_once[0][1]}) came before backward computed another gradient, so backward blocked until the "
+        "all-reduce was done. Keep the handle and wait in finish_gradient_synchronization (handout 04 §3). "
+        f"Events in order: {trace}")
+    never = _never_waited(events[:finished])
+    assert not never, (
+        f"{what}: async all-reduce #{never[0]} was never waited on before finish_gradient_synchronization "
+        "returned: the optimizer may read the gradient before the reduction has landed. Call wait() on every "
+        f"handle in finish_gradient_synchronization (handout 04 §3). Events in order: {trace}")
+    nbytes = [events[i].nbytes for i in reduces]
+    if expected_bytes is None:
+        assert_equal(sorted(nbytes), sorted([fp32 * 32 * 32, fp32 * 32] * 6),
+                     name=f"{what}: bytes of the all-reduced tensors (one per parameter)",
+                     section="handout 04 §3")
+    else:
+        assert_equal(nbytes, expected_bytes,
+                     name=f"{what}: bytes of the all-reduced tensors, in launch order (one flat buffer "
+                     "per bucket, bucket 0 first)", section="handout 04 §4")
 
 
 @pytest.mark.points(2)
 def test_failing_rank_surfaces_its_error() -> None:
     """Mismatched models fail at construction naming the parameter; an exception on one rank mid-training
     reaches the caller instead of hanging the other rank in a collective."""
-    # A hang would end in RankTimeoutError after 60 s instead of the RankFailedError expected here.
-    with raises(RankFailedError, match="fc2", section="handout 04 §1",
-                what="NaiveDDP(model) where rank 1's model has fc2 = Linear(16, 5) and rank 0's Linear(16, 4)",
-                hint="Construction must compare the replicas (verify_same_model) and raise ValueError naming the "
-                "first parameter that differs, on every rank, before any broadcast."):
-        run_on_ranks(_mismatched_models_rank, WORLD, timeout=60)
+    # Every rank checks its own construction raises (a rank that does not raise fails with a teaching message);
+    # a hang would end in RankTimeoutError after 60 s.
+    run_check(_mismatched_models_rank, WORLD, timeout=60)
     with raises(RankFailedError, match="rank 1 lost its data loader", section="handout 04 §7",
                 what="NaiveDDP training where rank 1 raises mid-step",
                 hint="The error must reach the caller; a rank left alone in a collective must not hang."):
@@ -465,7 +608,8 @@ def test_failing_rank_surfaces_its_error() -> None:
 
 @pytest.mark.points(2)
 def test_all_reduce_benchmark(impl) -> None:
-    """Timing rows for each size, and bandwidths from the ring all-reduce's traffic 2(n-1)/n · size."""
+    """Timing rows for each size, bandwidths from the ring all-reduce's traffic 2(n-1)/n · size, and
+    time_all_reduce timing the slowest rank of barrier-aligned calls when ranks are deliberately delayed."""
     coll = impl.collectives
     for size, seconds, n in ((2**20, 1e-3, 2), (2**30, 0.25, 4), (12 * 2**20, 3e-3, 6)):
         algbw, busbw = coll.bus_bandwidth(size, seconds, n)
@@ -483,6 +627,21 @@ def test_all_reduce_benchmark(impl) -> None:
         expected = torch.tensor(r["size_bytes"] / (r["time_ms"] / 1e3) / 1e9, dtype=torch.float64)
         assert_close(torch.tensor(r["algbw_gbps"], dtype=torch.float64), expected,
                      name=f"algbw_gbps for {r['size_bytes']} B", section="handout 04 §6", rtol=1e-6, atol=0)
+    times = run_check(_delayed_time_rank, WORLD, timeout=TIMEOUT)
+    for i, scale in enumerate(DELAY_SCALES):
+        setup = (f"time_all_reduce(4096, warmup=1, iters=2) with every all-reduce of rank 0 starting "
+                 f"{DELAY_S * scale:g} s late and rank 1's returning {DELAY_S * scale:g} s late")
+        reported = [t[i] for t in times]
+        assert reported[0] == reported[1], (
+            f"{setup}: rank 0 returned {reported[0]:.4f} s, rank 1 {reported[1]:.4f} s. Every rank must return the "
+            "slowest rank's time: all-reduce the per-rank time with op=ReduceOp.MAX (handout 04 §6).")
+        low, high = 2 * DELAY_S * scale, (2 + DELAY_SLACK) * DELAY_S * scale
+        assert low <= reported[0] <= high, (
+            f"{setup}: reported {reported[0]:.4f} s per call; a barrier-aligned call takes the slowest rank "
+            f"{low:g} s (rank 1 waits {DELAY_S * scale:g} s for rank 0, then returns {DELAY_S * scale:g} s late), "
+            f"so the answer must lie in [{low:g}, {high:g}] s. Too low: a missing dist.barrier() before "
+            "each timed call (early ranks then start the clock while others are still busy), no MAX over ranks, or "
+            "a constant; too high: a sum instead of a mean over iters (handout 04 §6).")
     with raises(ValueError, match="sizes_bytes", what="all_reduce_benchmark([3], [2]) (3 bytes: not whole float32s)",
                 section="handout 04 §6"):
         coll.all_reduce_benchmark([3], [2])
