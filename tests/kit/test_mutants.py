@@ -1,0 +1,108 @@
+"""The misconception catalogue and the alternative designs stay in step with the reference (``make mutants``).
+
+Running every mutant takes an hour, so CI does not; what CI can check cheaply is that the catalogue still
+describes the reference (each patch applies and yields valid Python), that each stage has the mistakes and
+designs issue 12 asks for, and that the runner tells a killed mutant from a survivor and from a stale one.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+import shutil
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from kit import mutants, stages
+from kit.designs import load_designs, overlay
+
+ROOT = Path(__file__).resolve().parents[2]
+REFERENCE = ROOT / "reference"
+MIN_MISTAKES = 8  # issue 12: at least 8 realistic mistakes per stage
+MIN_DESIGNS = 2  # issue 12: at least two alternative designs per distributed stage
+DISTRIBUTED = (4, 5, 6)
+
+
+def _hidden_test_names(stage: int) -> set[str]:
+    names = set()
+    for path in (ROOT / "tests" / "hidden").glob(f"test_stage{stage}*.py"):
+        tree = ast.parse(path.read_text())
+        names |= {node.name for node in ast.walk(tree) if isinstance(node, ast.FunctionDef)}
+    return names
+
+
+@pytest.mark.parametrize("stage", stages.numbers())
+def test_catalogue_applies_to_the_reference(stage: int, tmp_path: Path) -> None:
+    catalogue = mutants.load_catalogue(stage)
+    assert len(catalogue) >= MIN_MISTAKES, (
+        f"stage {stage}: {len(catalogue)} catalogued mistakes in tests/kit/mutants/stage{stage}.py, "
+        f"issue 12 asks for at least {MIN_MISTAKES}")
+    hidden = _hidden_test_names(stage)
+    for mutant in catalogue:
+        package = tmp_path / mutant.name
+        target = package / mutant.file
+        target.parent.mkdir(parents=True)
+        shutil.copy2(REFERENCE / mutant.file, target)
+        mutants.apply(mutant, package)  # LookupError names the mutant when its find text drifted
+        try:
+            compile(target.read_text(), str(target), "exec")
+        except SyntaxError as exc:
+            pytest.fail(f"stage {stage} mutant {mutant.name}: the patched {mutant.file} is not valid Python "
+                        f"({exc.msg}, line {exc.lineno}); a mutant must be a mistake a student could run")
+        assert mutant.find != mutant.replace, f"stage {stage} mutant {mutant.name}: replace equals find"
+        assert mutant.mistake.strip(), f"stage {stage} mutant {mutant.name}: say what the mistake is"
+        re.compile(mutant.expect)  # a bad regex fails here, not after an hour of mutants
+        if mutant.survives:
+            assert mutant.hidden_test in hidden, (
+                f"stage {stage} mutant {mutant.name} is a justified survivor, so it must name the hidden test "
+                f"that catches it; {mutant.hidden_test!r} is not a test in tests/hidden/test_stage{stage}*.py")
+
+
+@pytest.mark.parametrize("stage", DISTRIBUTED)
+def test_distributed_stages_have_alternative_designs(stage: int, tmp_path: Path) -> None:
+    designs = load_designs(stage)
+    assert len(designs) >= MIN_DESIGNS, (
+        f"stage {stage}: {len(designs)} alternative designs under tests/kit/designs/stage{stage}/, "
+        f"issue 12 asks for at least {MIN_DESIGNS}")
+    for design in designs:
+        readme = design / "README.md"
+        assert readme.exists() and readme.read_text().strip(), (
+            f"design {design.name}: README.md's first line must say how the design differs from the reference")
+        package = tmp_path / design.name
+        shutil.copytree(REFERENCE, package, ignore=shutil.ignore_patterns("__pycache__"))
+        replaced = overlay(design, package)  # LookupError when a design adds a module the tests never import
+        assert replaced
+
+
+@pytest.fixture(scope="module")
+def stage1_tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    tree = mutants.build_tree(tmp_path_factory.mktemp("mutant-tree"))
+    (tree / "student").rename(tree / "student.pristine")
+    return tree
+
+
+def test_runner_reports_a_killed_mutant_with_the_test_and_message(stage1_tree: Path) -> None:
+    wrong_scale = mutants.Mutant(
+        "scale-by-d", "benchmarking.py",
+        find="scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])",
+        replace="scores = q @ k.transpose(-2, -1) / q.shape[-1]",
+        mistake="scales the scores by 1/d", expect="attention|output")
+    verdict = mutants.judge(1, wrong_scale, stage1_tree, timeout=300)
+    assert verdict.verdict == "killed", verdict
+    assert verdict.test.startswith("test_annotated_attention"), verdict
+    unpointed = replace(wrong_scale, expect="a message no test prints")
+    assert mutants.judge(1, unpointed, stage1_tree, timeout=300).verdict == "unpointed"
+
+
+def test_runner_reports_survivors_and_stale_entries(stage1_tree: Path) -> None:
+    harmless = mutants.Mutant("comment-only", "benchmarking.py", find="import math\n",
+                              replace="import math  # a change no test can see\n", mistake="none")
+    assert mutants.judge(1, harmless, stage1_tree, timeout=300).verdict == "survived"
+    unexplained = replace(harmless, survives="cosmetic")
+    assert mutants.judge(1, unexplained, stage1_tree, timeout=300).verdict == "hidden-missed"
+    stale = mutants.Mutant("stale", "benchmarking.py", find="text that is not in the module", replace="x",
+                           mistake="none")
+    verdict = mutants.judge(1, stale, stage1_tree, timeout=300)
+    assert verdict.verdict == "stale" and "update the catalogue" in verdict.message
