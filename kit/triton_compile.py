@@ -88,8 +88,11 @@ def _describe(value: Any) -> dict:
     return {"kind": "value", "value": repr(value)}
 
 
-def record_launches(fn: Callable[[], Any]) -> list[Launch]:
+def record_launches(fn: Callable[[], Any], execute: bool = True) -> list[Launch]:
     """Run ``fn()`` and return the distinct kernel launches it made.
+
+    With ``execute=False`` the kernels are recorded but not run (their outputs stay uninitialised): a
+    cheap way to see the grids a launcher asks for at sizes the interpreter would take minutes to run.
 
     Works through ``kernel[grid](...)``, ``triton.autotune`` and ``triton.heuristics`` (all of which end in
     ``InterpretedFunction.run`` under the interpreter, ``JITFunction.run`` on a GPU); the autotuner's
@@ -113,6 +116,8 @@ def record_launches(fn: Callable[[], Any]) -> list[Launch]:
                 launch = Launch(self.fn.__module__, self.fn.__qualname__,
                                 {k: _describe(v) for k, v in named.items()}, g, options)
                 launches.setdefault(launch.key(), launch)
+                if not execute:
+                    return None
             return original(self, *args, grid=grid, warmup=warmup, **kwargs)
 
         return recording

@@ -457,7 +457,39 @@ def test_triton_batch_head_offsets_are_64_bit(impl, tmp_path_factory):
             f"{triton_compile.describe(r.launch)}: tl.program_id({axis}) (the batch·head index) is multiplied by "
             f"a runtime argument in 32 bits, e.g.\n  {bad[0]}\nbh · stride passes 2³¹ for long sequences "
             "(B·H·N·D > 2·10⁹ elements) and wraps to a negative offset; cast first: "
-            "tl.program_id(1).to(tl.int64) (handout 03 §5).")
+            f"tl.program_id({axis}).to(tl.int64) (handout 03 §5).")
+
+
+# CUDA launches at most 65,535 programs along grid axes 1 and 2 (y, z) and 2³¹ − 1 along axis 0 (x). B·H =
+# 65,600 (e.g. 512 sequences × 128 heads, then some) must therefore not sit on axis 1 or 2. The interpreter
+# would take minutes to run 65,600 programs and never enforces the limit, so the kernels are recorded
+# (kernel, grid) without being run: the check reads only the grids the launchers ask for.
+MANY_HEADS = 65_600
+CUDA_GRID_LIMITS = (2**31 - 1, 65_535, 65_535)
+
+
+@pytest.mark.points(1)
+def test_triton_grids_fit_cuda_limits_for_many_heads(impl):
+    """With batch·heads = 65,600 every forward and backward launch grid fits CUDA's per-axis limits."""
+    from kit import triton_compile
+
+    fn = impl.flash_attention.FlashAttentionTriton
+
+    def forward_and_backward():
+        q, k, v, do = make_inputs((MANY_HEADS, 1, 16), (MANY_HEADS, 1, 16), torch.float16)
+        run(fn, q, k, v, do, True, backward=True)
+
+    launches = triton_compile.record_launches(forward_and_backward, execute=False)
+    assert launches, ("FlashAttentionTriton launched no @triton.jit kernel: the forward and backward must run "
+                      "Triton kernels (kernel[grid](...)), not PyTorch code (handout 03 §5).")
+    for la in launches:
+        grid = tuple(la.grid) + (1,) * (3 - len(la.grid))
+        for axis, (n, limit) in enumerate(zip(grid, CUDA_GRID_LIMITS)):
+            assert 1 <= n <= limit, (
+                f"{triton_compile.describe(la)} with batch·heads = {MANY_HEADS}: grid axis {axis} has {n} "
+                f"programs, CUDA allows at most {limit} on axis {axis} — the launch fails on a GPU. Put the "
+                "batch·head index on axis 0 (2³¹ − 1 programs) and the tiles on axis 1: "
+                "grid = (B·H, ⌈N / BLOCK⌉) (handout 03 §5).")
 
 
 # ------------------------------------------------------------------------------------ using it (§8)

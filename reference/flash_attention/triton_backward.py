@@ -42,10 +42,10 @@ def flash_bwd_preprocess_kernel(
     Nq,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
-    """Delta[bh, i] = Σ_d O[bh, i, d] · dO[bh, i, d] in fp32. Grid ``(⌈Nq/BLOCK_M⌉, BH)``."""
+    """Delta[bh, i] = Σ_d O[bh, i, d] · dO[bh, i, d] in fp32. Grid ``(BH, ⌈Nq/BLOCK_M⌉)``."""
     # BEGIN SOLUTION row-wise dot products of O and dO tiles, in fp32 (handout 03 §6)
-    bh = tl.program_id(1).to(tl.int64)
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    bh = tl.program_id(0).to(tl.int64)
+    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     row_ok = offs_m < Nq
     o = tl.load(O + bh * stride_ob + offs_m[:, None] * stride_on + offs_d[None, :], mask=row_ok[:, None], other=0.0)
@@ -106,7 +106,7 @@ def flash_bwd_dkdv_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """dK, dV for one tile of BLOCK_N keys of one batch·head. Grid ``(⌈Nk/BLOCK_N⌉, BH)``.
+    """dK, dV for one tile of BLOCK_N keys of one batch·head. Grid ``(BH, ⌈Nk/BLOCK_N⌉)``.
 
     L and Delta are ``(BH, Nq)`` fp32 (they share strides); ``qk_scale`` = log2(e)/√D, ``sm_scale`` = 1/√D.
 
@@ -116,8 +116,8 @@ def flash_bwd_dkdv_kernel(
     and dV.
     """
     # BEGIN SOLUTION load k, v; run _dkdv_inner (diagonal masked, rest unmasked); store dK, dV (handout 03 §6)
-    start_n = tl.program_id(0) * BLOCK_N
-    bh = tl.program_id(1).to(tl.int64)
+    bh = tl.program_id(0).to(tl.int64)
+    start_n = tl.program_id(1) * BLOCK_N
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     key_ok = offs_n < Nk
@@ -192,15 +192,15 @@ def flash_bwd_dq_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """dQ for one tile of BLOCK_M queries of one batch·head. Grid ``(⌈Nq/BLOCK_M⌉, BH)``.
+    """dQ for one tile of BLOCK_M queries of one batch·head. Grid ``(BH, ⌈Nq/BLOCK_M⌉)``.
 
     Steps: load q, dO, L·log2 e and D for this query tile; dq = 0 in fp32; :func:`_dq_inner` over the
     key tiles exactly as the forward visits them (unmasked left of the diagonal, masked on it, skipped
     right of it); store dQ · sm_scale.
     """
     # BEGIN SOLUTION load q, dO, L, D; run _dq_inner over key tiles as in the forward; store dQ (handout 03 §6)
-    start_m = tl.program_id(0) * BLOCK_M
-    bh = tl.program_id(1).to(tl.int64)
+    bh = tl.program_id(0).to(tl.int64)
+    start_m = tl.program_id(1) * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     row_ok = offs_m < Nq
@@ -243,8 +243,9 @@ def triton_attention_backward(
     Returns dq, dk, dv with the shapes and dtypes of q, k, v.
 
     Allocate Delta ``(BH, Nq)`` fp32 and dq, dk, dv like q, k, v; launch the preprocess kernel on
-    ``(⌈Nq/BLOCK_M⌉, BH)``, then the dK/dV kernel on ``(⌈Nk/BLOCK_N⌉, BH)`` and the dQ kernel on
-    ``(⌈Nq/BLOCK_M⌉, BH)`` (grids as functions of ``meta``; the launchers fill in the tile sizes), passing
+    ``(BH, ⌈Nq/BLOCK_M⌉)``, then the dK/dV kernel on ``(BH, ⌈Nk/BLOCK_N⌉)`` and the dQ kernel on
+    ``(BH, ⌈Nq/BLOCK_M⌉)`` (batch·heads on axis 0, whose limit is 2³¹ − 1; grids as functions of
+    ``meta``; the launchers fill in the tile sizes), passing
     ``qk_scale = log2(e)/√D`` and ``sm_scale = 1/√D``.
     """
     lead, nq, nk, d = q.shape[:-2], q.shape[-2], k.shape[-2], q.shape[-1]
@@ -257,13 +258,13 @@ def triton_attention_backward(
     delta = torch.empty((bh, nq), dtype=torch.float32, device=q.device)
     dq3, dk3, dv3 = torch.empty_like(q3), torch.empty_like(k3), torch.empty_like(v3)
     pre_block = 64 if d <= 64 else 32
-    _preprocess_kernel[(triton.cdiv(nq, pre_block), bh)](
+    _preprocess_kernel[(bh, triton.cdiv(nq, pre_block))](
         o3, do3, delta, o3.stride(0), o3.stride(1), do3.stride(0), do3.stride(1), delta.stride(0), nq,
         HEAD_DIM=d, BLOCK_M=pre_block,
     )
 
     def dkdv_grid(meta: dict) -> tuple[int, int]:
-        return (triton.cdiv(nk, meta["BLOCK_N"]), bh)
+        return (bh, triton.cdiv(nk, meta["BLOCK_N"]))
 
     _dkdv_kernel[dkdv_grid](
         q3, k3, v3, do3, L3, delta, dk3, dv3,
@@ -274,7 +275,7 @@ def triton_attention_backward(
     )
 
     def dq_grid(meta: dict) -> tuple[int, int]:
-        return (triton.cdiv(nq, meta["BLOCK_M"]), bh)
+        return (bh, triton.cdiv(nq, meta["BLOCK_M"]))
 
     _dq_kernel[dq_grid](
         q3, k3, v3, do3, L3, delta, dq3,

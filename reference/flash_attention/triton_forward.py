@@ -2,7 +2,10 @@
 
 One *program* (a thread block on the GPU) owns one tile of BLOCK_M query rows of one (batch, head):
 
-    grid = (⌈Nq / BLOCK_M⌉, batch·heads)        program (i, bh) computes O[bh, i·BLOCK_M : (i+1)·BLOCK_M]
+    grid = (batch·heads, ⌈Nq / BLOCK_M⌉)        program (bh, i) computes O[bh, i·BLOCK_M : (i+1)·BLOCK_M]
+
+Batch·heads go on grid axis 0 because CUDA allows 2³¹ − 1 programs along x but only 65,535 along y
+and z: B·H = 65,536 (e.g. 512 sequences × 128 heads) would not launch on axis 1.
 
 It loads its query tile once, keeps it and an fp32 accumulator in registers, and streams the keys and
 values past it BLOCK_N rows at a time, running the online softmax of §1. Nothing of size Nq × Nk is
@@ -89,7 +92,7 @@ def flash_fwd_kernel(
     """O = softmax(Q Kᵀ / √D) V and L = logsumexp(Q Kᵀ / √D) for one query tile of one batch·head.
 
     Q, O: ``(BH, Nq, HEAD_DIM)``; K, V: ``(BH, Nk, HEAD_DIM)``, unit stride along HEAD_DIM; L:
-    ``(BH, Nq)`` fp32. ``qk_scale`` = log2(e)/√D. Grid ``(⌈Nq/BLOCK_M⌉, BH)``.
+    ``(BH, Nq)`` fp32. ``qk_scale`` = log2(e)/√D. Grid ``(BH, ⌈Nq/BLOCK_M⌉)``.
 
     Steps: load this program's query tile (rows ≥ Nq masked; upcast when ``UPCAST``); start from
     m = −inf, l = 0, acc = 0 in fp32; run :func:`_fwd_inner` over the key tiles — non-causal: all of
@@ -97,8 +100,8 @@ def flash_fwd_kernel(
     mask, and nothing beyond; store O = acc / l in O's dtype and L = ln 2 · (m + log2 l).
     """
     # BEGIN SOLUTION load the Q tile, run _fwd_inner (off-diagonal, then diagonal), store O and L (handout 03 §5)
-    start_m = tl.program_id(0) * BLOCK_M
-    bh = tl.program_id(1).to(tl.int64)  # 64-bit: bh · stride can pass 2³¹ for long sequences
+    bh = tl.program_id(0).to(tl.int64)  # 64-bit: bh · stride can pass 2³¹ for long sequences
+    start_m = tl.program_id(1) * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     row_ok = offs_m < Nq
@@ -142,7 +145,7 @@ def triton_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
     Returns ``o`` ``(..., Nq, D)`` in q's dtype and ``L`` ``(..., Nq)`` fp32 (natural-log log-sum-exp).
 
-    Launch ``_forward_kernel[grid](...)`` with ``grid(meta) = (⌈Nq / meta["BLOCK_M"]⌉, BH)`` (a function
+    Launch ``_forward_kernel[grid](...)`` with ``grid(meta) = (BH, ⌈Nq / meta["BLOCK_M"]⌉)`` (a function
     of the tile size, because the autotuner picks it on a GPU), the tensors and their batch and row
     strides, ``Nq``, ``Nk``, ``qk_scale = log2(e)/√D``, and the constexprs ``HEAD_DIM``, ``IS_CAUSAL``,
     ``UPCAST=upcast_in_kernel(dtype)`` and ``DOT_PRECISION=dot_precision(dtype)``; the tile sizes are
@@ -157,7 +160,7 @@ def triton_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     qk_scale = LOG2E / math.sqrt(d)
 
     def grid(meta: dict) -> tuple[int, int]:
-        return (triton.cdiv(nq, meta["BLOCK_M"]), bh)
+        return (bh, triton.cdiv(nq, meta["BLOCK_M"]))  # B·H on axis 0: axes 1 and 2 stop at 65535
 
     _forward_kernel[grid](
         q3, k3, v3, o3, L3,

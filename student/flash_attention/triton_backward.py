@@ -43,7 +43,7 @@ def flash_bwd_preprocess_kernel(
     Nq,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
-    """Delta[bh, i] = Σ_d O[bh, i, d] · dO[bh, i, d] in fp32. Grid ``(⌈Nq/BLOCK_M⌉, BH)``."""
+    """Delta[bh, i] = Σ_d O[bh, i, d] · dO[bh, i, d] in fp32. Grid ``(BH, ⌈Nq/BLOCK_M⌉)``."""
     if not triton.knobs.runtime.interpret:  # compiled for a GPU: fail to compile, with this message
         tl.static_assert(False, "NotImplementedError: flash_bwd_preprocess_kernel: row-wise dot products of O and dO tiles, in fp32 (handout 03 §6)")
     raise NotImplementedError("flash_bwd_preprocess_kernel: row-wise dot products of O and dO tiles, in fp32 (handout 03 §6)")
@@ -78,7 +78,7 @@ def flash_bwd_dkdv_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """dK, dV for one tile of BLOCK_N keys of one batch·head. Grid ``(⌈Nk/BLOCK_N⌉, BH)``.
+    """dK, dV for one tile of BLOCK_N keys of one batch·head. Grid ``(BH, ⌈Nk/BLOCK_N⌉)``.
 
     L and Delta are ``(BH, Nq)`` fp32 (they share strides); ``qk_scale`` = log2(e)/√D, ``sm_scale`` = 1/√D.
 
@@ -119,7 +119,7 @@ def flash_bwd_dq_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """dQ for one tile of BLOCK_M queries of one batch·head. Grid ``(⌈Nq/BLOCK_M⌉, BH)``.
+    """dQ for one tile of BLOCK_M queries of one batch·head. Grid ``(BH, ⌈Nq/BLOCK_M⌉)``.
 
     Steps: load q, dO, L·log2 e and D for this query tile; dq = 0 in fp32; :func:`_dq_inner` over the
     key tiles exactly as the forward visits them (unmasked left of the diagonal, masked on it, skipped
@@ -144,8 +144,9 @@ def triton_attention_backward(
     Returns dq, dk, dv with the shapes and dtypes of q, k, v.
 
     Allocate Delta ``(BH, Nq)`` fp32 and dq, dk, dv like q, k, v; launch the preprocess kernel on
-    ``(⌈Nq/BLOCK_M⌉, BH)``, then the dK/dV kernel on ``(⌈Nk/BLOCK_N⌉, BH)`` and the dQ kernel on
-    ``(⌈Nq/BLOCK_M⌉, BH)`` (grids as functions of ``meta``; the launchers fill in the tile sizes), passing
+    ``(BH, ⌈Nq/BLOCK_M⌉)``, then the dK/dV kernel on ``(BH, ⌈Nk/BLOCK_N⌉)`` and the dQ kernel on
+    ``(BH, ⌈Nq/BLOCK_M⌉)`` (batch·heads on axis 0, whose limit is 2³¹ − 1; grids as functions of
+    ``meta``; the launchers fill in the tile sizes), passing
     ``qk_scale = log2(e)/√D`` and ``sm_scale = 1/√D``.
     """
     lead, nq, nk, d = q.shape[:-2], q.shape[-2], k.shape[-2], q.shape[-1]

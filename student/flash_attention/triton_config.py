@@ -102,7 +102,8 @@ class Launcher:
     * otherwise: :func:`fixed_config`.
 
     ``grid`` must be a function of the launch meta-parameters, e.g.
-    ``lambda meta: (triton.cdiv(Nq, meta["BLOCK_M"]), BH)``, because the tile size is only known here.
+    ``lambda meta: (BH, triton.cdiv(Nq, meta["BLOCK_M"]))`` (batch·heads on axis 0: CUDA caps axes 1 and 2 at
+    65,535 programs, axis 0 at 2³¹ − 1), because the tile size is only known here.
     The first positional argument must be a tensor (its dtype picks the config); ``HEAD_DIM`` a keyword.
     """
 

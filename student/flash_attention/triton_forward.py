@@ -3,7 +3,10 @@
 
 One *program* (a thread block on the GPU) owns one tile of BLOCK_M query rows of one (batch, head):
 
-    grid = (⌈Nq / BLOCK_M⌉, batch·heads)        program (i, bh) computes O[bh, i·BLOCK_M : (i+1)·BLOCK_M]
+    grid = (batch·heads, ⌈Nq / BLOCK_M⌉)        program (bh, i) computes O[bh, i·BLOCK_M : (i+1)·BLOCK_M]
+
+Batch·heads go on grid axis 0 because CUDA allows 2³¹ − 1 programs along x but only 65,535 along y
+and z: B·H = 65,536 (e.g. 512 sequences × 128 heads) would not launch on axis 1.
 
 It loads its query tile once, keeps it and an fp32 accumulator in registers, and streams the keys and
 values past it BLOCK_N rows at a time, running the online softmax of §1. Nothing of size Nq × Nk is
@@ -66,7 +69,7 @@ def flash_fwd_kernel(
     """O = softmax(Q Kᵀ / √D) V and L = logsumexp(Q Kᵀ / √D) for one query tile of one batch·head.
 
     Q, O: ``(BH, Nq, HEAD_DIM)``; K, V: ``(BH, Nk, HEAD_DIM)``, unit stride along HEAD_DIM; L:
-    ``(BH, Nq)`` fp32. ``qk_scale`` = log2(e)/√D. Grid ``(⌈Nq/BLOCK_M⌉, BH)``.
+    ``(BH, Nq)`` fp32. ``qk_scale`` = log2(e)/√D. Grid ``(BH, ⌈Nq/BLOCK_M⌉)``.
 
     Steps: load this program's query tile (rows ≥ Nq masked; upcast when ``UPCAST``); start from
     m = −inf, l = 0, acc = 0 in fp32; run :func:`_fwd_inner` over the key tiles — non-causal: all of
@@ -87,7 +90,7 @@ def triton_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
     Returns ``o`` ``(..., Nq, D)`` in q's dtype and ``L`` ``(..., Nq)`` fp32 (natural-log log-sum-exp).
 
-    Launch ``_forward_kernel[grid](...)`` with ``grid(meta) = (⌈Nq / meta["BLOCK_M"]⌉, BH)`` (a function
+    Launch ``_forward_kernel[grid](...)`` with ``grid(meta) = (BH, ⌈Nq / meta["BLOCK_M"]⌉)`` (a function
     of the tile size, because the autotuner picks it on a GPU), the tensors and their batch and row
     strides, ``Nq``, ``Nk``, ``qk_scale = log2(e)/√D``, and the constexprs ``HEAD_DIM``, ``IS_CAUSAL``,
     ``UPCAST=upcast_in_kernel(dtype)`` and ``DOT_PRECISION=dot_precision(dtype)``; the tile sizes are

@@ -69,8 +69,8 @@ MUTANTS = [
                    "interpreter (§5)",
            expect="TF32"),
     Mutant("triton-bh-offset-32-bit", "flash_attention/triton_forward.py",
-           find="bh = tl.program_id(1).to(tl.int64)  # 64-bit",
-           replace="bh = tl.program_id(1)  # 64-bit",
+           find="bh = tl.program_id(0).to(tl.int64)  # 64-bit",
+           replace="bh = tl.program_id(0)  # 64-bit",
            mistake="the forward multiplies the 32-bit batch·head id by the batch stride: overflows past 2³¹ "
                    "elements on a GPU, invisible at test sizes (§5)",
            expect="32 bits.*int64"),
@@ -112,8 +112,8 @@ MUTANTS = [
            mistake="dK misses the 1/√D of ∂s/∂k (§3)",
            expect="dK"),
     Mutant("triton-dkdv-grid-skips-unreached-keys", "flash_attention/triton_backward.py",
-           find='return (triton.cdiv(nk, meta["BLOCK_N"]), bh)',
-           replace='return (triton.cdiv(min(nk, nq) if is_causal else nk, meta["BLOCK_N"]), bh)',
+           find='return (bh, triton.cdiv(nk, meta["BLOCK_N"]))',
+           replace='return (bh, triton.cdiv(min(nk, nq) if is_causal else nk, meta["BLOCK_N"]))',
            mistake="causal with Nq < Nk: no program for key tiles no query reaches, so their dK/dV stay "
                    "uninitialised (§4, §6)",
            expect=r"exactly 0|d[KV] \(FlashAttentionTriton .*causal=True"),
