@@ -4,9 +4,20 @@
 One kernel source runs in two worlds (handout 03 §5):
 
 * **compiled** (a CUDA GPU): for bf16/fp16, tile sizes, ``num_warps`` and ``num_stages`` are chosen by
-  ``@triton.autotune`` from the candidate lists below, once per problem shape and dtype; the tiles go
-  straight into ``tl.dot`` (tensor cores). fp32 uses one fixed config and ``input_precision="ieee"``
-  (exact fp32, not TF32).
+  ``@triton.autotune`` from the candidate lists below, once per *bucket* of problem shapes and dtype;
+  the tiles go straight into ``tl.dot`` (tensor cores). fp32 uses one fixed config and
+  ``input_precision="ieee"`` (exact fp32, not TF32).
+
+Autotuning key (handout 03 §5). Tuning costs a few seconds per kernel (every candidate is compiled and
+timed), so keying it on the exact lengths would retune at every new sequence length. The key is
+:func:`tune_key`: the kernel, dtype, head dim, causal flag and the *next power of two* of Nq and Nk
+(:func:`autotune_bucket`) — lengths 1025…2048 share one tuning, run at the first length seen. The chosen
+config is also written to a small JSON file (:func:`tuning_cache_path`: ``$LLMSYS_FA_TUNE_CACHE``, by default
+``~/.cache/llmsys-lab/flash_attention_tuning.json``; ``LLMSYS_FA_TUNE_CACHE=off`` keeps it in memory only),
+keyed also on the GPU name, the Triton version and the kernel's source hash, so every later process on
+that machine launches the *same* config without timing anything: results and speed are reproducible
+across processes, whereas a fresh timing-based choice can differ from run to run when two candidates
+are within noise. Delete the file to retune.
 * **interpreted** (``TRITON_INTERPRET=1``, set by ``import kit`` on machines without CUDA): the kernel
   body runs as NumPy code. Autotuning with more than one config needs a GPU driver, so one fixed
   config is used; and the 3.6 interpreter cannot do bf16 arithmetic (bf16 ``tl.dot`` returns garbage),
@@ -19,7 +30,9 @@ package's ``__init__`` does it first, before any module here imports triton.
 
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 
 import torch
 import triton
@@ -91,14 +104,67 @@ def _prune(kind: str):
     return prune
 
 
+def autotune_bucket(n: int) -> int:
+    """The autotuning bucket of a sequence length ``n``: the next power of two, at least 16 (the smallest
+    tile), so that 600 and 1000 share the bucket 1024 and 1025 starts the bucket 2048."""
+    return max(16, triton.next_power_of_2(int(n)))
+
+
+def tune_key(kind: str, dtype: torch.dtype, head_dim: int, is_causal: bool, nq: int, nk: int) -> str:
+    """The autotuning key of one launch: ``kind`` (``"forward"``, ``"dkdv"``, ``"dq"``), dtype, head dim,
+    causal flag and the buckets of Nq and Nk (:func:`autotune_bucket`), as a string."""
+    return (f"{kind}|{str(dtype).removeprefix('torch.')}|D={head_dim}|causal={bool(is_causal)}"
+            f"|Nq<={autotune_bucket(nq)}|Nk<={autotune_bucket(nk)}")
+
+
+def tuning_cache_path() -> Path | None:
+    """Where autotuned choices persist across processes (``$LLMSYS_FA_TUNE_CACHE``, default
+    ``~/.cache/llmsys-lab/flash_attention_tuning.json``); None when set to ``off``."""
+    value = os.environ.get("LLMSYS_FA_TUNE_CACHE", "")
+    if value.lower() in ("off", "0", "none"):
+        return None
+    return Path(value) if value else Path.home() / ".cache" / "llmsys-lab" / "flash_attention_tuning.json"
+
+
+def load_choice(path: Path | None, key: str) -> dict[str, int] | None:
+    """The config stored under ``key`` in the JSON file ``path`` (BLOCK_M, BLOCK_N, num_warps,
+    num_stages), or None (no file, no entry, unreadable file)."""
+    try:
+        entry = json.loads(path.read_text()).get(key) if path is not None else None
+    except (OSError, ValueError):
+        return None
+    fields = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")
+    return {f: int(entry[f]) for f in fields} if isinstance(entry, dict) and all(f in entry for f in fields) else None
+
+
+def save_choice(path: Path | None, key: str, config: dict[str, int]) -> None:
+    """Add ``key → config`` to the JSON file ``path`` (written to a temporary file, then renamed, so a
+    reader never sees half a file); errors are ignored: persistence is an optimisation."""
+    if path is None:
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            table = json.loads(path.read_text())
+        except (OSError, ValueError):
+            table = {}
+        table[key] = config
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(table, indent=1, sort_keys=True))
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
 class Launcher:
     """``launcher[grid](*args, **kwargs)`` launches a kernel with its tile sizes chosen for you:
 
     * interpreted: the fixed :data:`INTERPRETER_BLOCKS`;
-    * compiled, bf16/fp16, :data:`AUTOTUNE` on: ``@triton.autotune`` over :data:`GPU_CONFIGS`, keyed on
-      the problem shape and the causal flag (Triton adds the argument dtypes), so each new shape is tuned
-      once; every kernel here writes its outputs without accumulating into them, so the repeated
-      benchmark launches of autotuning are harmless;
+    * compiled, bf16/fp16, :data:`AUTOTUNE` on: ``@triton.autotune`` over :data:`GPU_CONFIGS`, once per
+      :func:`tune_key` (power-of-two buckets of Nq and Nk, head dim, causal flag, dtype); the choice is
+      remembered in :attr:`chosen` and in the file :func:`tuning_cache_path`, so later launches in the
+      bucket, in this process or another, use it without tuning. Every kernel here writes its outputs
+      without accumulating into them, so the repeated benchmark launches of autotuning are harmless;
     * otherwise: :func:`fixed_config`.
 
     ``grid`` must be a function of the launch meta-parameters, e.g.
@@ -110,6 +176,7 @@ class Launcher:
     def __init__(self, kernel, kind: str):
         self.kernel, self.kind = kernel, kind
         self.tuned = None
+        self.chosen: dict[str, dict[str, int]] = {}  # tune_key → config, this process
         if not triton_interpreted() and torch.cuda.is_available():
             self.tuned = triton.autotune(configs=GPU_CONFIGS[kind], key=["Nq", "Nk", "HEAD_DIM", "IS_CAUSAL"],
                                          prune_configs_by={"early_config_prune": _prune(kind)})(kernel)
@@ -120,10 +187,31 @@ class Launcher:
                 return self.kernel[grid](*args, **INTERPRETER_BLOCKS[self.kind], **kwargs)
             dtype = args[0].dtype
             if self.tuned is not None and AUTOTUNE and dtype != torch.float32:
-                return self.tuned[grid](*args, **kwargs)
+                return self._launch_tuned(grid, args, kwargs)
             return self.kernel[grid](*args, **fixed_config(self.kind, dtype, kwargs["HEAD_DIM"]), **kwargs)
 
         return launch
+
+    def _launch_tuned(self, grid, args: tuple, kwargs: dict):
+        named = {**dict(zip(self.kernel.arg_names, args)), **kwargs}
+        key = tune_key(self.kind, args[0].dtype, named["HEAD_DIM"], named.get("IS_CAUSAL", False), named["Nq"],
+                       named["Nk"])
+        stored_key = "|".join((key, torch.cuda.get_device_name(), f"triton {triton.__version__}",
+                               f"{self.kernel.__module__}.{self.kernel.__name__}", str(self.kernel.cache_key)[:16]))
+        config = self.chosen.get(key) or load_choice(tuning_cache_path(), stored_key)
+        if config is None:  # first launch in this bucket: tune (at this shape), remember, persist
+            result = self.tuned[grid](*args, **kwargs)
+            best = self.tuned.best_config
+            config = {**best.kwargs, "num_warps": best.num_warps, "num_stages": best.num_stages}
+            save_choice(tuning_cache_path(), stored_key, config)
+            self.chosen[key] = config
+            return result
+        if key not in self.chosen:  # loaded from the file: show it as the autotuner's pick too
+            self.chosen[key] = config
+            self.tuned.cache[("bucket", key)] = triton.Config(
+                {"BLOCK_M": config["BLOCK_M"], "BLOCK_N": config["BLOCK_N"]}, num_warps=config["num_warps"],
+                num_stages=config["num_stages"])
+        return self.kernel[grid](*args, **config, **kwargs)
 
 
 def configure(kernel, kind: str) -> Launcher:
