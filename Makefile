@@ -40,6 +40,9 @@ wheelhouse: ## wheels a CUDA machine may lack into wheelhouse/ (WHEEL_PYTHON=3.1
 gpu-check: setup ##@instructor on a CUDA machine: doctor, GPU tests, compiled Stage 3, goals → benchmarks/results/gpu/ (< 8 min)
 	$(PY) -m kit.gpu_check
 
+check-kernels: setup ##@instructor compile every FlashAttention GPU config for sm_90 (D 64/128, bf16/fp16): wgmma, smem, 0 spills; no GPU
+	LLMSYS_KERNEL_SWEEP=full $(PY) -m pytest tests/kit/test_kernel_candidates.py --impl reference -q -p no:cacheprovider
+
 grade: setup ## grade student/ (IMPL=reference|PATH, STAGE=1 or 1,2) and print the score table
 	$(PY) -m kit grade --impl $(IMPL) $(if $(STAGE),--stage $(STAGE)) --json grading-output/results.json
 

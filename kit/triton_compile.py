@@ -52,13 +52,21 @@ class Launch:
 @dataclass
 class CompileReport:
     """The outcome of compiling one :class:`Launch` for sm_90: ``error`` (the compiler's message) or
-    ``shared`` bytes, ``ptxas`` (its ``-v`` lines: registers, spills) and ``ttir`` (the Triton IR)."""
+    ``shared`` bytes, ``ptxas`` (its ``-v`` lines: registers, spills), ``ttir`` (the Triton IR) and
+    ``wgmma`` (whether the PTX uses Hopper's warpgroup MMA instructions, i.e. ``tl.dot`` got the fast path)."""
 
     launch: Launch
     error: str = ""
     shared: int = 0
     ptxas: str = ""
     ttir: str = ""
+    wgmma: bool = False
+
+    @property
+    def registers(self) -> int:
+        """Registers per thread ptxas reported (0 when unknown)."""
+        found = re.findall(r"Used (\d+) registers", self.ptxas)
+        return max(int(n) for n in found) if found else 0
 
     @property
     def spills(self) -> int:
@@ -144,7 +152,7 @@ from triton.runtime.jit import JITFunction
 
 out = []
 for launch in json.load(open(sys.argv[1])):
-    rep = {"error": "", "shared": 0, "ptxas": "", "ttir": ""}
+    rep = {"error": "", "shared": 0, "ptxas": "", "ttir": "", "wgmma": False}
     out.append(rep)
     try:
         obj = importlib.import_module(launch["module"])
@@ -185,6 +193,7 @@ for launch in json.load(open(sys.argv[1])):
                                target=GPUTarget("cuda", 90, 32), options=options)
         rep["shared"] = int(k.metadata.shared)
         rep["ttir"] = k.asm.get("ttir", "")
+        rep["wgmma"] = "wgmma" in k.asm.get("ptx", "")
         rep["ptxas"] = "\n".join(l for l in log.getvalue().splitlines() if "ptxas info" in l or "spill" in l)
     except Exception as e:
         msg = str(e).strip() or type(e).__name__
@@ -243,31 +252,51 @@ def narrow_offsets(ttir: str, axis: int) -> list[str]:
     bad = []
     for header in re.findall(r"^\s*tt\.func .*$", ttir, re.M):
         from_arg.update(re.findall(r"(%[\w]+): ", header))
+    def define(name: str, pid: bool, arg: bool) -> None:
+        # MLIR reuses SSA names in sibling regions (two loops one after the other both have a %k_44), so a
+        # definition replaces whatever an earlier, out-of-scope value of that name carried.
+        (from_pid.add if pid else from_pid.discard)(name)
+        (from_arg.add if arg else from_arg.discard)(name)
+
     for line in ttir.splitlines():
-        for inner, outer in re.findall(r"(%\w+)\s*=\s*(%\w+)", line.split("iter_args(", 1)[1] if "iter_args(" in
+        loop = re.search(r"scf\.for (%\w+) = (%[\w#]+) to (%[\w#]+)", line)
+        if loop:  # the induction variable carries what its bounds carry
+            iv, bounds = loop.group(1), [b.split("#")[0] for b in loop.group(2, 3)]
+            define(iv, any(b in from_pid for b in bounds), any(b in from_arg for b in bounds))
+        for inner, outer in re.findall(r"(%\w+)\s*=\s*(%[\w#]+)", line.split("iter_args(", 1)[1] if "iter_args(" in
                                        line else ""):
-            if outer in from_pid:
-                from_pid.add(inner)
-            if outer in from_arg:
-                from_arg.add(inner)
+            outer = outer.split("#")[0]
+            define(inner, outer in from_pid, outer in from_arg)
         m = _LINE.match(line)
         if not m:
             continue
         result, rhs = m.group(1), m.group(2)
+        result = result.split("#")[0].split(":")[0]
         if rhs.startswith(f"tt.get_program_id {axis_name}"):
-            from_pid.add(result)
+            define(result, True, False)
             continue
         operands = [v for v in _values(rhs.split(":")[0]) if v != result]
-        if any(v in from_pid for v in operands):
-            from_pid.add(result)
-        if any(v in from_arg for v in operands):
-            from_arg.add(result)
+        define(result, any(v in from_pid for v in operands), any(v in from_arg for v in operands))
         if rhs.startswith("arith.muli") and len(operands) >= 2:
             a, b = operands[:2]
             pid_arg = (a in from_pid and b in from_arg) or (b in from_pid and a in from_arg)
             if pid_arg and re.search(r"\bi32\b|xi32>", rhs.rsplit(":", 1)[-1]):
                 bad.append(re.sub(r"\s+loc\(.*$", "", line.strip()))
     return bad
+
+
+def with_config(launch: Launch, config: dict[str, int]) -> Launch:
+    """``launch`` with other constexpr values and launch options: ``config`` maps constexpr names (e.g.
+    ``BLOCK_M``) to values and may hold ``num_warps``/``num_stages`` — one autotune candidate of it."""
+    args = {k: dict(d) for k, d in launch.args.items()}
+    options = dict(launch.options)
+    for name, value in config.items():
+        if name in ("num_warps", "num_stages"):
+            options[name] = int(value)
+        else:
+            kind = "bool" if isinstance(value, bool) else "int" if isinstance(value, int) else "value"
+            args[name] = {"kind": kind, "value": value}
+    return Launch(launch.module, launch.name, args, launch.grid, options)
 
 
 def batch_head_axis(launch: Launch, batch_heads: int) -> int | None:

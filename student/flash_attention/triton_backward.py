@@ -20,6 +20,20 @@ order, so two runs would differ in the last bits. Instead:
 Kernels 2 and 3 both recompute P (that is 2.5× the forward FLOPs in all, §7) but no result is ever
 written by two programs: the gradients are bitwise reproducible. Causal tiles are skipped as in the
 forward: a key tile is seen only by query tiles at or below the diagonal.
+
+The forward's speed tricks carry over (triton_forward.py explains them; expected gains are estimates
+from the Triton tutorial's design, not measured here — no GPU was available):
+
+* **One FMA per element for P.** The forward saved L in natural log; the kernels load it once per
+  query row as L₂ = L · log2 e, so that P = exp(s − L) = exp2(qk · qk_scale − L₂) with qk the raw
+  score tile and qk_scale = log2(e)/√D: one fused multiply-add and one exp2 per element, no
+  ``tl.where`` outside the diagonal and the last tile.
+* **No masks on full tiles.** The streamed dimension (queries in the dK/dV kernel, keys in the dQ
+  kernel) is split at its last whole tile: full tiles load with no mask and skip the bounds
+  ``tl.where``; only the one partial tile pays for it (``CHECK_ROWS`` / ``CHECK_KEYS``).
+* **Heavy causal tiles first in the dQ kernel**, as in the forward (program 0 takes the last query
+  tile). The dK/dV kernel's heaviest tiles — the first key tiles, seen by the most queries — are
+  already launched first.
 """
 
 from __future__ import annotations
@@ -55,13 +69,15 @@ def _dkdv_inner(
     q_base, do_base, l_base, d_base, stride_qn, stride_don,
     offs_n, offs_d, Nq, qk_scale,
     lo, hi,
-    BLOCK_M: tl.constexpr, MASK_DIAGONAL: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, MASK_DIAGONAL: tl.constexpr, CHECK_ROWS: tl.constexpr, UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """Stream query tiles [lo, hi) past one key tile, accumulating dK (unscaled) and dV.
 
     Works with transposed tiles (BLOCK_N keys × BLOCK_M queries) so no tile is ever transposed twice.
-    For each query tile: load q and dO (rows ≥ Nq masked), L (× log2 e) and D; sᵀ = k qᵀ · qk_scale,
-    set to −inf for query rows ≥ Nq and, when ``MASK_DIAGONAL``, where i < j; Pᵀ = exp2(sᵀ − L·log2 e);
+    For each query tile: load q, dO, L₂ = L·log2 e and D (masked only when ``CHECK_ROWS``: the tile may
+    pass Nq); raw scores qkᵀ = k qᵀ; Pᵀ = exp2(qkᵀ · qk_scale − L₂) — one FMA per element — with
+    −inf first for query rows ≥ Nq (``CHECK_ROWS``) and, when ``MASK_DIAGONAL``, where i < j;
     dV += Pᵀ dO; dPᵀ = v dOᵀ; dSᵀ = Pᵀ ∘ (dPᵀ − D); dK += dSᵀ q. Returns (dk, dv).
     """
     if not triton.knobs.runtime.interpret:  # compiled for a GPU: fail to compile, with this message
@@ -82,10 +98,11 @@ def flash_bwd_dkdv_kernel(
 
     L and Delta are ``(BH, Nq)`` fp32 (they share strides); ``qk_scale`` = log2(e)/√D, ``sm_scale`` = 1/√D.
 
-    Steps: load this key tile's k and v; dk = dv = 0 in fp32; non-causal: :func:`_dkdv_inner` over all
-    query tiles unmasked; causal: the query tiles [start_n, start_n + BLOCK_N) with the diagonal mask,
-    then [start_n + BLOCK_N, Nq) unmasked (rows < start_n see none of these keys); store dK · sm_scale
-    and dV.
+    Steps: load this key tile's k and v; dk = dv = 0 in fp32; :func:`_dkdv_inner` over the query tiles,
+    the full ones (below nq_full = ⌊Nq/BLOCK_M⌋·BLOCK_M) unchecked and the last partial one with
+    ``CHECK_ROWS`` — non-causal: all of [0, Nq); causal: [start_n, start_n + BLOCK_N) with the diagonal
+    mask, then [start_n + BLOCK_N, Nq) without it (rows < start_n see none of these keys); store
+    dK · sm_scale and dV.
     """
     if not triton.knobs.runtime.interpret:  # compiled for a GPU: fail to compile, with this message
         tl.static_assert(False, "NotImplementedError: flash_bwd_dkdv_kernel: load k, v; run _dkdv_inner (diagonal masked, rest unmasked); store dK, dV (handout 03 §6)")
@@ -98,12 +115,14 @@ def _dq_inner(
     k_base, v_base, stride_kn, stride_vn,
     offs_m, offs_d, Nk, qk_scale,
     lo, hi,
-    BLOCK_N: tl.constexpr, MASK_DIAGONAL: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, MASK_DIAGONAL: tl.constexpr, CHECK_KEYS: tl.constexpr, UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """Stream key tiles [lo, hi) past one query tile, accumulating dQ (unscaled).
 
-    For each key tile: load k and v (rows ≥ Nk masked); s = q kᵀ · qk_scale, −inf for keys ≥ Nk and,
-    when ``MASK_DIAGONAL``, for j > i; P = exp2(s − L·log2 e); dP = dO vᵀ; dS = P ∘ (dP − D); dQ += dS k.
+    For each key tile: load k and v (masked only when ``CHECK_KEYS``: the tile may pass Nk); raw scores
+    qk = q kᵀ; P = exp2(qk · qk_scale − L₂) — one FMA per element — with −inf first for keys ≥ Nk
+    (``CHECK_KEYS``) and, when ``MASK_DIAGONAL``, for j > i; dP = dO vᵀ; dS = P ∘ (dP − D); dQ += dS k.
     """
     if not triton.knobs.runtime.interpret:  # compiled for a GPU: fail to compile, with this message
         tl.static_assert(False, "NotImplementedError: _dq_inner: per key tile: recompute P, accumulate dQ += dS k (handout 03 §6)")
@@ -121,9 +140,10 @@ def flash_bwd_dq_kernel(
 ):
     """dQ for one tile of BLOCK_M queries of one batch·head. Grid ``(BH, ⌈Nq/BLOCK_M⌉)``.
 
-    Steps: load q, dO, L·log2 e and D for this query tile; dq = 0 in fp32; :func:`_dq_inner` over the
-    key tiles exactly as the forward visits them (unmasked left of the diagonal, masked on it, skipped
-    right of it); store dQ · sm_scale.
+    Steps: pick this program's query tile (causal: the heaviest first, tile ⌈Nq/BLOCK_M⌉ − 1 − pid);
+    load q, dO, L·log2 e and D for it; dq = 0 in fp32; :func:`_dq_inner` over the key tiles exactly as
+    the forward visits them (full tiles unchecked, the partial last one with ``CHECK_KEYS``; causal:
+    unmasked left of the diagonal, masked on it, skipped right of it); store dQ · sm_scale.
     """
     if not triton.knobs.runtime.interpret:  # compiled for a GPU: fail to compile, with this message
         tl.static_assert(False, "NotImplementedError: flash_bwd_dq_kernel: load q, dO, L, D; run _dq_inner over key tiles as in the forward; store dQ (handout 03 §6)")

@@ -59,23 +59,59 @@ def _configs(entries: list[tuple[int, int, int, int]]) -> list[triton.Config]:
     return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in entries]
 
 
-# Candidates for a Hopper-class GPU (228 KB shared memory per SM), as (BLOCK_M, BLOCK_N, warps, stages).
-# The forward keeps a BLOCK_M × D query tile and its accumulator resident and streams K/V tiles; the
-# dK/dV kernel keeps BLOCK_N keys resident and streams queries; the dQ kernel does the opposite.
-GPU_CONFIGS = {
-    "forward": _configs([(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 4), (64, 64, 4, 3),
-                         (128, 32, 4, 3), (64, 32, 4, 4), (128, 128, 8, 2)]),
-    "dkdv": _configs([(32, 128, 8, 3), (64, 128, 8, 3), (32, 64, 4, 3), (64, 64, 4, 3), (16, 64, 4, 4),
-                      (32, 128, 4, 2)]),
-    "dq": _configs([(128, 32, 8, 3), (128, 64, 8, 3), (64, 32, 4, 3), (64, 64, 4, 3), (128, 32, 4, 4),
-                    (64, 32, 4, 5)]),
+# Candidates for a Hopper-class GPU (227 KiB shared memory per block, 255 registers per thread), as
+# (BLOCK_M, BLOCK_N, warps, stages), per head dim: D ≤ 64 and D = 128 (a D = 128 tile holds twice the
+# registers, so it needs 8 warps or smaller tiles). The forward keeps a BLOCK_M × D query tile and its
+# accumulator resident and streams K/V tiles; the dK/dV kernel keeps BLOCK_N keys (k, v and the dK, dV
+# accumulators) resident and streams queries; the dQ kernel does the opposite.
+#
+# Every candidate here is checked on a CPU by compiling it for sm_90 (tests/kit/test_kernel_candidates.py,
+# `make check-kernels`): it must compile, fit shared memory, use wgmma (Hopper's warpgroup tensor-core
+# MMA; it needs ≥ 64 rows per warpgroup in the first matmul operand — dK/dV tiles of 32 keys lose it) and
+# spill no registers. The Triton tutorial's backward configs (dK/dV 32–64 queries × 128 keys and dQ 128
+# queries × 32–64 keys, at 4 warps and 4–5 stages) are here with 8 warps: at 4 warps this kernel's
+# dK/dV spills 190–2100 bytes per thread at D = 64 and its dQ 8–130 bytes (the deterministic design
+# keeps k, v, dK and dV resident: 2·BLOCK_N·D fp32 accumulators plus two bf16 tiles). Which one wins is
+# the autotuner's call on the GPU; none of these choices has been timed yet (no GPU was available).
+GPU_CANDIDATES = {
+    64: {
+        "forward": [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 4), (64, 64, 4, 3),
+                    (128, 32, 4, 3), (64, 32, 4, 4), (128, 128, 8, 2)],
+        "dkdv": [(32, 128, 8, 3), (32, 128, 8, 4), (32, 128, 8, 5), (64, 128, 8, 3), (64, 128, 8, 4),
+                 (32, 64, 4, 3), (64, 64, 4, 3), (16, 64, 4, 4)],
+        "dq": [(128, 32, 8, 3), (128, 32, 8, 4), (128, 32, 8, 5), (128, 64, 8, 3), (128, 64, 8, 4),
+               (64, 32, 4, 3), (64, 64, 4, 3), (64, 32, 4, 5)],
+    },
+    128: {
+        "forward": [(128, 64, 8, 3), (128, 64, 8, 2), (128, 64, 8, 4), (64, 64, 8, 3), (128, 32, 8, 3),
+                    (64, 32, 4, 3), (64, 32, 4, 4), (64, 32, 8, 4)],
+        "dkdv": [(16, 64, 8, 3), (16, 64, 8, 4)],
+        "dq": [(128, 32, 8, 3), (128, 32, 8, 4), (128, 32, 8, 5)],
+    },
 }
+
+
+def candidate_head_dim(head_dim: int) -> int:
+    """The :data:`GPU_CANDIDATES` list a head dim uses: 64 for D ≤ 64, else 128."""
+    return 64 if head_dim <= 64 else 128
+
+
+def gpu_configs(kind: str, head_dim: int) -> list[triton.Config]:
+    """The autotune candidates of kernel ``kind`` (``"forward"``, ``"dkdv"``, ``"dq"``) at ``head_dim``."""
+    return _configs(GPU_CANDIDATES[candidate_head_dim(head_dim)][kind])
+
+
+# What the autotuner is built with: every candidate of every head dim (the pruner keeps those of the
+# launch's head dim).
+GPU_CONFIGS = {kind: _configs(list(dict.fromkeys(c for by_kind in GPU_CANDIDATES.values() for c in by_kind[kind])))
+               for kind in ("forward", "dkdv", "dq")}
 
 
 def fixed_config(kind: str, dtype: torch.dtype, head_dim: int) -> dict[str, int]:
     """One safe launch config (tiles, warps, stages) for a GPU when not autotuning: fits in shared
     memory and registers for every supported dtype and head dim."""
-    # Checked by compiling for sm_90: these fit the shared memory and spill few or no registers.
+    # Checked by compiling for sm_90: the bf16/fp16 ones fit shared memory, use wgmma and spill no registers
+    # (tests/kit/test_kernel_candidates.py); the fp32 ones fit shared memory but may spill (fp32 is not tuned).
     if dtype == torch.float32 and head_dim <= 32:  # fp32 runs on the CUDA cores: small tiles, short pipelines
         m, n, w, s = {"forward": (64, 32, 4, 2), "dkdv": (32, 32, 4, 2), "dq": (64, 32, 4, 2)}[kind]
     elif dtype == torch.float32:
@@ -83,23 +119,27 @@ def fixed_config(kind: str, dtype: torch.dtype, head_dim: int) -> dict[str, int]
     elif head_dim <= 64:
         m, n, w, s = {"forward": (128, 64, 4, 3), "dkdv": (32, 128, 8, 3), "dq": (128, 32, 8, 3)}[kind]
     else:
-        m, n, w, s = {"forward": (128, 64, 8, 2), "dkdv": (32, 64, 8, 3), "dq": (64, 32, 4, 3)}[kind]
+        m, n, w, s = {"forward": (128, 64, 8, 2), "dkdv": (16, 64, 8, 3), "dq": (128, 32, 8, 3)}[kind]
     return {"BLOCK_M": m, "BLOCK_N": n, "num_warps": w, "num_stages": s}
 
 
 def _prune(kind: str):
-    """Drop configs that break the tile-alignment rule or are far larger than the problem."""
+    """Keep the candidates of the launch's head dim that keep the tile-alignment rule and are not far
+    larger than the problem."""
 
     def prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
         nq, nk = named_args["Nq"], named_args["Nk"]
+        head_dim = named_args.get("HEAD_DIM", kwargs.get("HEAD_DIM", 128))
+        mine = {(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) for c in
+                gpu_configs(kind, head_dim)}
         kept = []
         for c in configs:
             m, n = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]
             aligned = (n % m == 0) if kind == "dkdv" else (m % n == 0)
             small_enough = m <= max(16, triton.next_power_of_2(nq)) and n <= max(16, triton.next_power_of_2(nk))
-            if aligned and small_enough:
+            if aligned and small_enough and (m, n, c.num_warps, c.num_stages) in mine:
                 kept.append(c)
-        return kept or configs[-1:]
+        return kept or gpu_configs(kind, head_dim)[-1:]
 
     return prune
 

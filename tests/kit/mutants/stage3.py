@@ -63,8 +63,8 @@ MUTANTS = [
            expect=r"d[QK] \(FlashAttentionPytorch"),
     # ---------------------------------------------------------------- Triton forward (§5)
     Mutant("triton-ignores-dot-precision", "flash_attention/triton_forward.py",
-           find="s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale",
-           replace="s = tl.dot(q, tl.trans(k)) * qk_scale",
+           find="qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)",
+           replace="qk = tl.dot(q, tl.trans(k))",
            mistake="the forward's score tl.dot ignores DOT_PRECISION: fp32 runs in TF32 on a GPU, invisible to the "
                    "interpreter (§5)",
            expect="TF32"),
@@ -100,6 +100,18 @@ MUTANTS = [
            count=2,
            mistake="the forward kernel ignores UPCAST: bf16 tl.dot is garbage in the 3.6 interpreter (§5)",
            expect="bfloat16"),
+    Mutant("triton-peeled-forward-drops-last-tile", "flash_attention/triton_forward.py",
+           find="qk_scale, nk_full, Nk, BLOCK_N, False, True, UPCAST, DOT_PRECISION)",
+           replace="qk_scale, nk_full, nk_full, BLOCK_N, False, True, UPCAST, DOT_PRECISION)",
+           mistake="the forward runs the unmasked loop over the whole key tiles and forgets the partial last tile "
+                   "(keys nk_full … Nk−1) that boundary peeling leaves over (§5)",
+           expect="FlashAttentionTriton.*causal=False"),
+    Mutant("triton-heavy-first-off-by-one", "flash_attention/triton_forward.py",
+           find="start_m = (tl.cdiv(Nq, BLOCK_M) - 1 - tl.program_id(1)) * BLOCK_M",
+           replace="start_m = (tl.cdiv(Nq, BLOCK_M) - tl.program_id(1)) * BLOCK_M",
+           mistake="reversing the causal tile order (heavy tiles first) off by one: query tile 0 is never "
+                   "computed and one program runs past Nq (§5)",
+           expect="FlashAttentionTriton.*causal=True"),
     # ---------------------------------------------------------------- Triton backward (§6)
     Mutant("triton-delta-rowsum-do", "flash_attention/triton_backward.py",
            find="delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)",
@@ -111,6 +123,18 @@ MUTANTS = [
            replace="dk = dk  # s = q·k/√D",
            mistake="dK misses the 1/√D of ∂s/∂k (§3)",
            expect="dK"),
+    Mutant("triton-dq-fma-without-scale", "flash_attention/triton_backward.py",
+           find="p = tl.math.exp2(qk * qk_scale - lse2[:, None])  # one FMA per element",
+           replace="p = tl.math.exp2(qk - lse2[:, None])  # one FMA per element",
+           mistake="the dQ kernel's unmasked tiles recompute P from unscaled scores: the scale folded into the "
+                   "FMA is dropped where no mask applies (§5, §6)",
+           expect=r"dQ \(FlashAttentionTriton"),
+    Mutant("triton-dkdv-drops-last-query-tile", "flash_attention/triton_backward.py",
+           find="Nq, qk_scale, nq_full, Nq, BLOCK_M, False, True, UPCAST, DOT_PRECISION)",
+           replace="Nq, qk_scale, nq_full, nq_full, BLOCK_M, False, True, UPCAST, DOT_PRECISION)",
+           mistake="the non-causal dK/dV kernel streams only the whole query tiles and forgets the partial last "
+                   "one (rows nq_full … Nq−1) that boundary peeling leaves over (§6)",
+           expect=r"d[KV] \(FlashAttentionTriton .*causal=False"),
     Mutant("triton-dkdv-grid-skips-unreached-keys", "flash_attention/triton_backward.py",
            find='return (bh, triton.cdiv(nk, meta["BLOCK_N"]))',
            replace='return (bh, triton.cdiv(min(nk, nq) if is_causal else nk, meta["BLOCK_N"]))',
