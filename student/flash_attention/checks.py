@@ -66,8 +66,13 @@ def as_3d(x: torch.Tensor) -> torch.Tensor:
 
     ``reshape`` returns a view when the leading dimensions can be merged and copies otherwise (e.g. a
     transposed ``(B, H, T, D)`` view of a ``(B, T, H, D)`` tensor), so any strided input is handled.
+
+    The kernels compute row offsets ``row · stride_n`` in 32 bits (only the batch·head offset is 64-bit:
+    int64 arithmetic in the hot loop costs registers). A view whose rows lie further apart than that —
+    ``(N − 1) · stride_n ≥ 2³¹``, e.g. a ``(B, H, T, D)`` permutation of a huge ``(T, B, H, D)`` tensor — is
+    therefore copied to contiguous rows, where ``(N − 1) · D`` is small.
     """
     x3 = x.reshape(-1, x.shape[-2], x.shape[-1])
-    if x3.stride(-1) != 1:
+    if x3.stride(-1) != 1 or (x3.shape[1] - 1) * x3.stride(1) >= 2**31:
         x3 = x3.contiguous()
     return x3

@@ -38,3 +38,18 @@ def test_narrow_offsets_is_not_fooled_by_names_reused_in_sibling_loops():
     # … while a loop whose bound comes from the batch·head id still taints its induction variable.
     tainted = ttir.replace("scf.for %start_n = %N to %N", "scf.for %start_n = %bh to %N")
     assert narrow_offsets(tainted, 0) == ["%k_46 = arith.muli %k_44, %k_45 : tensor<32xi32>"]
+
+
+def test_as_3d_copies_views_whose_row_offsets_pass_32_bits():
+    """The kernels' row offsets are 32-bit: a view with rows ≥ 2³¹ elements apart is made contiguous."""
+    import torch
+
+    from kit.impl import load
+
+    as_3d = load("reference").flash_attention.checks.as_3d
+    # (B·H, T, D) = (3, 2²⁷, 16) as a transpose of (T, B·H, D): row stride 48, (T − 1) · 48 > 2³¹. Meta tensors
+    # have shapes and strides but no storage, so nothing of that size is allocated.
+    far = torch.empty((2**27, 3, 16), device="meta").transpose(0, 1)
+    assert as_3d(far).stride() == (2**27 * 16, 16, 1)
+    near = torch.empty((40, 3, 16)).transpose(0, 1)  # small: the strided view is kept (no copy)
+    assert as_3d(near).stride() == (16, 48, 1) and as_3d(near).data_ptr() == near.data_ptr()
