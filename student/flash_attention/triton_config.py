@@ -236,9 +236,17 @@ class Launcher:
         named = {**dict(zip(self.kernel.arg_names, args)), **kwargs}
         key = tune_key(self.kind, args[0].dtype, named["HEAD_DIM"], named.get("IS_CAUSAL", False), named["Nq"],
                        named["Nk"])
+        config = self.chosen.get(key)
+        if config is not None:  # the common case: tuned (or loaded) earlier in this process
+            return self.kernel[grid](*args, **config, **kwargs)
         stored_key = "|".join((key, torch.cuda.get_device_name(), f"triton {triton.__version__}",
                                f"{self.kernel.__module__}.{self.kernel.__name__}", str(self.kernel.cache_key)[:16]))
-        config = self.chosen.get(key) or load_choice(tuning_cache_path(), stored_key)
+        config = load_choice(tuning_cache_path(), stored_key)
+        candidates = {(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages)
+                      for c in gpu_configs(self.kind, named["HEAD_DIM"])}
+        if config is not None and tuple(config[f] for f in ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")) \
+                not in candidates:
+            config = None  # stored before the candidate list changed: tune again
         if config is None:  # first launch in this bucket: tune (at this shape), remember, persist
             result = self.tuned[grid](*args, **kwargs)
             best = self.tuned.best_config
@@ -246,11 +254,10 @@ class Launcher:
             save_choice(tuning_cache_path(), stored_key, config)
             self.chosen[key] = config
             return result
-        if key not in self.chosen:  # loaded from the file: show it as the autotuner's pick too
-            self.chosen[key] = config
-            self.tuned.cache[("bucket", key)] = triton.Config(
-                {"BLOCK_M": config["BLOCK_M"], "BLOCK_N": config["BLOCK_N"]}, num_warps=config["num_warps"],
-                num_stages=config["num_stages"])
+        self.chosen[key] = config  # loaded from the file: show it as the autotuner's pick too
+        self.tuned.cache[("bucket", key)] = triton.Config(
+            {"BLOCK_M": config["BLOCK_M"], "BLOCK_N": config["BLOCK_N"]}, num_warps=config["num_warps"],
+            num_stages=config["num_stages"])
         return self.kernel[grid](*args, **config, **kwargs)
 
 

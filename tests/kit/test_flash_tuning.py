@@ -108,6 +108,12 @@ def test_launcher_tunes_once_per_bucket_and_a_new_process_reuses_the_choice(monk
     assert second.kernel.launches == [{**picked, "HEAD_DIM": 64, "IS_CAUSAL": True}]
     assert len(second.tuned.cache) == 1  # reported as the autotuner's pick (kit gpu-check's "chosen")
 
+    monkeypatch.setattr(config, "GPU_CANDIDATES", {64: {"forward": [(64, 32, 4, 3)]}, 128: {}})
+    fourth = fresh_launcher()  # the stored pick is no longer a candidate: tunes again
+    fourth._launch_tuned(None, (q, 900, 900), {"HEAD_DIM": 64, "IS_CAUSAL": True})
+    assert fourth.tuned.tuned_at == [(900, 900)]
+    monkeypatch.undo()
+    monkeypatch.setenv("LLMSYS_FA_TUNE_CACHE", str(tmp_path / "tuning.json"))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Fake A100")  # another GPU: tunes again
     third = fresh_launcher()
     third._launch_tuned(None, (q, 900, 900), {"HEAD_DIM": 64, "IS_CAUSAL": True})
