@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 from kit.model import TransformerLM, cross_entropy, get_config
 from kit.testing import assert_close, assert_equal
@@ -135,14 +136,19 @@ def test_scaler_matches_grad_scaler(impl) -> None:
     scales = []
     for step in range(60):
         x, y = torch.randn(5, 6), torch.randn(5, 4)
+        grads_after_step = []
         for model, opt, scaler in ((ours_model, ours_opt, ours), (ref_model, ref_opt, ref)):
             opt.zero_grad(set_to_none=True)
             scaler.scale(F.mse_loss(model(x), y)).backward()
             _inject(model, step)
-            if step % 7 == 0:  # the unscale_-then-clip path on some steps
-                scaler.unscale_(opt)
+            if step % 7 == 0 or step in (13, 45):  # the unscale_-then-clip path on some steps, two of them overflows
+                found = scaler.unscale_(opt)
+                if scaler is ours:
+                    assert_equal(bool(found), step in INF_STEPS | NAN_STEPS, name=f"unscale_() return value at step "
+                                 f"{step} (whether any gradient is inf or nan)", section=SEC.format(4))
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             scaler.step(opt)
+            grads_after_step.append([p.grad.clone() for p in model.parameters()])
             scaler.update()
         where = f"after step {step}"
         event = ("an inf gradient was injected: skip the step, scale × backoff_factor, reset the count"
@@ -154,6 +160,14 @@ def test_scaler_matches_grad_scaler(impl) -> None:
         ref_steps = ref_opt.state[ref_model.weight].get("step", torch.tensor(0.0))
         assert_equal(float(ours_steps), float(ref_steps), name=f"optimizer steps taken {where} (a skipped step "
                      "must not reach optimizer.step)", section=SEC.format(4))
+        # AdamW is nearly blind to a uniform scale of the gradients, so check the gradients themselves: step()
+        # unscales them in place (× fp32(1/S)) unless unscale_ already did. Same fp32 ops on parameters that agree
+        # to rtol 1e-6: rtol 1e-5 allows that and dividing by S instead of × fp32(1/S) (≤ 1 ulp); a missing or
+        # inverted unscale is off by a factor S or S² ≥ 1e2.
+        if step not in INF_STEPS | NAN_STEPS:
+            for (name, _), g, h in zip(ours_model.named_parameters(), *grads_after_step):
+                assert_close(g, h, name=f"{name}.grad after scaler.step() {where} (step unscales the gradients in "
+                             "place, × 1/S, unless unscale_ already did)", section=SEC.format(4), rtol=1e-5, atol=1e-7)
         # Same ops in the same order on the same fp32 values as GradScaler: the parameters agree to the last
         # bit or so; rtol 1e-6 (≈ 16 fp32 ulps) allows a reordered clip-norm sum, atol 1e-7 values near 0.
         for (name, p), q in zip(ours_model.named_parameters(), ref_model.parameters()):
@@ -167,25 +181,42 @@ def test_scaler_matches_grad_scaler(impl) -> None:
 
 @pytest.mark.points(1)
 def test_scaler_state_dict(impl) -> None:
-    """state_dict uses GradScaler's keys: each loads the other's state and both go on identically."""
-    ours = impl.precision.DynamicLossScaler(init_scale=256.0, growth_interval=2)
+    """state_dict uses GradScaler's keys and values (the growth tracker included): after the same steps as a
+    GradScaler it equals the GradScaler's, and a scaler loaded from either goes on exactly as GradScaler does."""
+    kwargs = {"init_scale": 256.0, "growth_factor": 3.0, "backoff_factor": 0.4, "growth_interval": 3}
+    ours = impl.precision.DynamicLossScaler(**kwargs)
+    ref = torch.amp.GradScaler("cpu", **kwargs)
     model = torch.nn.Linear(3, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    for step in range(5):
+
+    def one_step(scaler, overflow: bool = False) -> None:
         opt.zero_grad()
-        ours.scale(model(torch.randn(2, 3)).sum()).backward()
-        if step == 3:
+        scaler.scale(model(torch.randn(2, 3)).sum()).backward()
+        if overflow:
             model.weight.grad[0, 0] = math.inf
-        ours.step(opt)
-        ours.update()
-    ref = torch.amp.GradScaler("cpu")
-    ref.load_state_dict(ours.state_dict())
-    theirs = impl.precision.DynamicLossScaler()
-    theirs.load_state_dict(ref.state_dict())
+        scaler.step(opt)
+        scaler.update()
+
+    # Clean, clean, clean (grow), clean, inf (back off), clean, clean: the tracker ends at 2, one clean step
+    # short of growing, so a lost or reset tracker changes the next scale.
+    for overflow in (False, False, False, False, True, False, False):
+        one_step(ours, overflow)
+        one_step(ref, overflow)
     for key, value in ref.state_dict().items():
-        assert_equal(ours.state_dict().get(key), value, name=f"state_dict[{key!r}]", section=SEC.format(4))
-    assert_equal(theirs.get_scale(), ref.get_scale(), name="scale loaded from GradScaler.state_dict()",
-                 section=SEC.format(4))
+        assert_equal(ours.state_dict().get(key), value, name=f"state_dict()[{key!r}] after 7 steps (GradScaler's, "
+                     "same steps)", section=SEC.format(4))
+    for source, label in ((ours.state_dict(), "your state_dict()"), (ref.state_dict(), "GradScaler.state_dict()")):
+        loaded = impl.precision.DynamicLossScaler()
+        loaded.load_state_dict(source)
+        expected = torch.amp.GradScaler("cpu")
+        expected.load_state_dict(ref.state_dict())
+        assert_equal(loaded.get_scale(), expected.get_scale(), name=f"scale loaded from {label}", section=SEC.format(4))
+        for extra in range(2):
+            one_step(loaded)
+            one_step(expected)
+            assert_equal(loaded.get_scale(), expected.get_scale(), name=f"scale {extra + 1} clean step(s) after "
+                         f"load_state_dict({label}) (the growth tracker must survive the round trip)",
+                         section=SEC.format(4))
 
 
 @pytest.mark.points(1)
@@ -235,12 +266,22 @@ def test_bf16_train_step_tracks_fp32(impl) -> None:
     # fp32 runs the same ops as the loop above (atol 1e-5 on a loss of ≈ 6.2: a few fp32 ulps, 2⁻²³·6.2 ≈ 7e-7,
     # times the reassociation of a clip-norm sum). bf16 (u = 2⁻⁹ ≈ 2e-3 per rounding) perturbs the logits by
     # ~u·|logit| ≈ 1e-3 and the loss, a mean over 64 tokens, by less; 1e-2 is a ≥ 3× margin.
+    # Before any update every correct step computes the same first loss: the autocast forward, then the fp32
+    # loss. Same ops on the same values, so rtol 1e-6 (≈ 8 fp32 ulps) allows only a reordered mean; a loss kept in
+    # bf16 is off by up to half a bf16 ulp, 2⁻⁶ ≈ 0.016 at 6.2.
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        bf16_logits = base(batch[0])
+    first_bf16_loss = cross_entropy(bf16_logits, batch[1]).item()
     for dtype, atol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2)):
         model = copy.deepcopy(base)
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
         for step in range(4):
             loss = impl.precision.mixed_precision_train_step(model, batch, opt, dtype=dtype, max_grad_norm=0.5)
             assert isinstance(loss, float), f"mixed_precision_train_step must return a float, got {type(loss)}"
+            if dtype == torch.bfloat16 and step == 0:
+                assert_close(torch.tensor(loss), torch.tensor(first_bf16_loss), name="bf16 loss at step 0 (the "
+                             "autocast forward's logits, then the loss in fp32 with kit.model.cross_entropy)",
+                             section=SEC.format(5), rtol=1e-6, atol=0)
             assert_close(torch.tensor(loss), torch.tensor(expected[step]), name=f"{dtype} loss at step {step}",
                          section=SEC.format(5), rtol=0, atol=atol)
         for name, p in model.named_parameters():
@@ -510,21 +551,68 @@ def test_activation_estimate_matches_measurement(impl) -> None:
         assert_equal(est["layer_total"] + weight_copies, measured[2] - measured[1],
                      name=f"estimated bytes of one layer ({dtype}, B={B}, T={T}; layer_total plus the block's weight "
                      "copies under autocast) vs measured 2-layer minus 1-layer", section=SEC.format(6))
+    # With checkpoint_policy, against a model the test checkpoints itself (torch.utils.checkpoint around each
+    # segment of k blocks): the blocks keep only each segment's input, and their weight copies are made again in
+    # backward. Exact to the same 16 bytes. 3 layers and k = 2: segments of 2 and 1 blocks.
+    config = get_config("tiny", num_layers=3)
+    inputs, targets = (t.clone() for t in _batch(config, B, T))
+    for policy, k in (("every_block", 1), (2, 2)):
+        for dtype in (torch.float32, torch.bfloat16):
+            torch.manual_seed(0)
+            measured = _saved_bytes_independent(_checkpointed_by_test(TransformerLM(config), k), inputs, targets,
+                                                dtype)
+            est = impl.precision.activation_memory_estimate(config, B, T, dtype, device_type="cpu",
+                                                            checkpoint_policy=policy)
+            diff = est["total"] - measured
+            if abs(diff) > ESTIMATE_ATOL_BYTES:
+                raise AssertionError(
+                    f"estimated total {est['total']} bytes with checkpoint_policy={policy!r} vs measured {measured} "
+                    f"(L=3, B={B}, T={T}, {dtype}): off by {diff:+d} bytes, more than the {ESTIMATE_ATOL_BYTES} "
+                    f"allowed. Checkpointed blocks keep only each segment's fp32 input (⌈L/k⌉ = {math.ceil(3 / k)} "
+                    f"of {B * T * config.d_model * 4} bytes; yours: layers = {est.get('layers')}), and under autocast "
+                    f"only the LM head's weight copy stays saved (yours: weight_copies = {est.get('weight_copies')}). "
+                    f"See {SEC.format(6)} and {SEC.format(7)}.")
+
+
+class _Segments(torch.nn.Module):
+    """The test's own checkpointing: k consecutive blocks under one non-reentrant torch.utils.checkpoint."""
+
+    def __init__(self, blocks):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(blocks)
+
+    def _run(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint(self._run, x, use_reentrant=False)
+
+
+def _checkpointed_by_test(model, k: int):
+    blocks = list(model.layers)
+    model.layers = torch.nn.ModuleList(_Segments(blocks[i:i + k]) for i in range(0, len(blocks), k))
+    return model
 
 
 # ------------------------------------------------------------------------------------------------------
 # §7 Checkpointing
 
 
-def _grads_after_backward(model, batch) -> tuple[float, dict[str, torch.Tensor]]:
+def _grads_after_backward(model, batch) -> tuple[float, dict[str, torch.Tensor | None]]:
     loss = cross_entropy(model(batch[0]), batch[1])
     loss.backward()
-    return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
+    return loss.item(), {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
 
 
 def _check_policy(impl, policy, k: int) -> None:
     """Saved bytes drop to (what the blocks saved) replaced by (one input per segment); gradients unchanged."""
     L, B, T = 4, 2, 32
+    plan = [list(seg) for seg in impl.precision.checkpoint_segments(L, policy)]
+    assert_equal(plan, [list(range(i, min(i + k, L))) for i in range(0, L, k)],
+                 name=f"checkpoint_segments({L}, {policy!r}) (segments of k = {k} consecutive blocks)",
+                 section=SEC.format(7))
     config = get_config("tiny", num_layers=L)
     base = TransformerLM(config)
     batch = _batch(config, B, T)
@@ -545,17 +633,46 @@ def _check_policy(impl, policy, k: int) -> None:
     loss, grads = _grads_after_backward(model, batch)
     # Recomputation replays the same fp32 ops on the same inputs, so loss and gradients agree to rounding
     # (the backward may sum in another order): rtol 1e-5 ≈ 100 fp32 ulps, atol 1e-6 for values near 0.
-    assert_close(torch.tensor(loss), torch.tensor(loss_ref), name=f"loss with policy {policy!r}",
+    assert_close(torch.tensor(loss), torch.tensor(loss_ref), name=f"loss with policy {policy!r} (the same function "
+                 "as without checkpointing: every block of the segment runs, in order)",
                  section=SEC.format(7), rtol=1e-6, atol=1e-6)
     for name, g in grads_ref.items():
+        assert grads[name] is not None, (
+            f"parameter {name} got no gradient with checkpoint policy {policy!r}: its block never ran in the forward "
+            f"(the segment's checkpointed forward must run every block of the segment, in order). See {SEC.format(7)}.")
         assert_close(grads[name], g, name=f"gradient of {name} with policy {policy!r}", section=SEC.format(7),
                      rtol=1e-5, atol=1e-6)
 
 
+def _check_dropout_replayed(impl, policy) -> None:
+    """Blocks with dropout, checkpointed as an nn.ModuleList: backward's recomputation must draw the same dropout
+    masks as the forward did (torch.utils.checkpoint restores the RNG state), or the gradients are wrong."""
+    torch.manual_seed(0)
+    base = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Dropout(0.5), torch.nn.Tanh())
+                               for _ in range(3))
+    x = torch.randn(8, 16, requires_grad=True)
+    grads = []
+    for blocks in (copy.deepcopy(base), impl.precision.checkpointed(copy.deepcopy(base), policy)):
+        torch.manual_seed(1)
+        h = x
+        for block in blocks:  # the caller runs the blocks in order, as TransformerLM does
+            h = block(h)
+        h.square().sum().backward()
+        grads.append({n: p.grad.clone() for n, p in blocks.named_parameters()})
+    # Same fp32 ops on the same values if the masks are replayed: rtol 1e-5, atol 1e-6 allow reordering only; a
+    # fresh mask zeroes a different half of the units, an O(1) change.
+    for name, g in grads[0].items():
+        assert_close(grads[1][name], g, name=f"gradient of {name} in dropout blocks with policy {policy!r} (the "
+                     "recomputation must replay the forward's dropout masks: keep checkpoint's RNG-state restore)",
+                     section=SEC.format(7), rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.points(3)
 def test_checkpoint_every_block(impl) -> None:
-    """Every block checkpointed: each block keeps only its input; gradients equal the uncheckpointed ones."""
+    """Every block checkpointed: each block keeps only its input; gradients equal the uncheckpointed ones, also
+    with dropout in the blocks."""
     _check_policy(impl, "every_block", 1)
+    _check_dropout_replayed(impl, "every_block")
 
 
 @pytest.mark.points(1)
@@ -572,6 +689,7 @@ def test_checkpoint_every_k_blocks(impl) -> None:
         with pytest.raises(ValueError, match="policy"):
             impl.precision.checkpoint_segments(4, bad)
     _check_policy(impl, 2, 2)
+    _check_dropout_replayed(impl, 2)
 
 
 # ------------------------------------------------------------------------------------------------------
