@@ -121,6 +121,11 @@ MUTANTS = [
            replace="",
            mistake="load_state_dict restores the scale but not the clean-step count (§4)",
            expect="growth tracker must survive"),
+    Mutant("scale-not-rounded-to-fp32", "precision.py",
+           find="            self._scale = _fp32(self._scale * self._backoff_factor)\n",
+           replace="            self._scale = self._scale * self._backoff_factor\n",
+           mistake="keeps the backed-off scale as a Python double; GradScaler's scale is an fp32 tensor (§4)",
+           expect="round every new scale to fp32"),
     # §5 the training step
     Mutant("clip-before-unscale", "precision.py",
            find=_TRAIN_CLIP,
@@ -166,6 +171,12 @@ MUTANTS = [
            mistake="casts the model to the compute dtype instead of using autocast: no fp32 master weights, so "
                    "small updates round away (§5)",
            expect="master weights|loss at step"),
+    Mutant("update-before-step", "precision.py",
+           find="        scaler.step(optimizer)\n        scaler.update()\n",
+           replace="        scaler.update()\n        scaler.step(optimizer)\n",
+           mistake="calls scaler.update() before scaler.step(): the order is scale, backward, (unscale_, clip), "
+                   "step, update (§4, §5)",
+           expect=r"update\(\) needs a step|unscale_"),
     # §6 activation memory: measured
     Mutant("saved-bytes-per-tensor", "precision.py",
            find="storages.setdefault((t.device, storage.data_ptr()), storage)",
