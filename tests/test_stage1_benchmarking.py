@@ -8,6 +8,7 @@ import statistics
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from kit.model import TransformerLM, get_config
 from kit.testing import assert_close
@@ -29,35 +30,55 @@ class FakeClock:
 
     def work(self) -> None:
         self.events.append("fn")
-        # Warm-up calls (before the first clock read) take a long, fixed time that must never be measured.
-        self.now += self.durations.pop(0) if "clock" in self.events else 1000.0
+        # Warm-up calls (before the first clock read) take a long, fixed time that must never be measured;
+        # so does any call beyond the scripted ones (a warm-up call made after the clock started).
+        timed = "clock" in self.events and self.durations
+        self.now += self.durations.pop(0) if timed else 1000.0
 
     def sync(self) -> None:
         self.events.append("sync")
 
 
 class RecordingNvtx:
-    """Stands in for the ``nvtx`` module: records every range as (name, depth) in the order opened."""
+    """Stands in for the ``nvtx`` module: records every range as (name, depth) in the order opened, and
+    keeps the stack of open ranges so that :class:`OpsByRange` can say which range each op ran in."""
 
     def __init__(self):
         self.ranges: list[tuple[str, int]] = []
-        self.depth = 0
+        self.stack: list[str] = []
+
+    @property
+    def depth(self) -> int:
+        return len(self.stack)
 
     @contextlib.contextmanager
     def annotate(self, message=None, *args, **kwargs):
-        self.ranges.append((message, self.depth))
-        self.depth += 1
+        self.push_range(message)
         try:
             yield
         finally:
-            self.depth -= 1
+            self.pop_range()
 
     def push_range(self, message=None, *args, **kwargs):
         self.ranges.append((message, self.depth))
-        self.depth += 1
+        self.stack.append(message)
 
     def pop_range(self, *args, **kwargs):
-        self.depth -= 1
+        self.stack.pop()
+
+
+class OpsByRange(TorchDispatchMode):
+    """Logs every ATen op that runs as (op name, innermost open NVTX range of ``nvtx``), whatever Python API
+    (``@``, ``torch.matmul``, ``F.softmax`` …) the code used to reach it."""
+
+    def __init__(self, nvtx: RecordingNvtx):
+        super().__init__()
+        self.nvtx = nvtx
+        self.ops: list[tuple[str, str | None]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append((func.overloadpacket.__name__, self.nvtx.stack[-1] if self.nvtx.stack else None))
+        return func(*args, **(kwargs or {}))
 
 
 @pytest.mark.points(2)
@@ -102,7 +123,9 @@ def test_time_fn_synchronizes_around_every_timed_call(impl):
 @pytest.mark.points(2)
 def test_time_fn_statistics(impl):
     """mean, std (sample, n−1), median and min in seconds, computed from the samples."""
-    durations = [0.010, 0.030, 0.020, 0.050, 0.040]
+    # Skewed and unsorted on purpose, so no two statistics coincide: mean 0.038 ≠ median 0.03, and the
+    # minimum is neither the first nor the last sample.
+    durations = [0.030, 0.010, 0.020, 0.090, 0.040]
     clock = FakeClock(durations)
     stats = impl.benchmarking.time_fn(clock.work, warmup=0, iters=5, sync=clock.sync, clock=clock)
     expected = {
@@ -111,11 +134,15 @@ def test_time_fn_statistics(impl):
         "median": statistics.median(durations),
         "min": min(durations),
     }
+    hints = {"mean": "the average time per call", "std": "the sample standard deviation (n−1)",
+             "median": "the middle sample", "min": "the fastest call"}
     for name, value in expected.items():
         got = getattr(stats, name)
+        # The fake clock's differences (100.03 − 100.0 …) carry float rounding of ~1e-14 s relative to the
+        # sample; rel 1e-9 allows that and nothing a wrong formula could produce.
         assert got == pytest.approx(value, rel=1e-9), (
-            f"TimingStats.{name} = {got!r}, expected {value!r} for samples {durations} (rel tol 1e-9). "
-            "std is the sample standard deviation (n−1). See handout 01 §1."
+            f"TimingStats.{name} = {got!r}, expected {value!r} for samples {durations} (rel tol 1e-9): "
+            f"{name} is {hints[name]}. See handout 01 §1."
         )
 
 
@@ -149,6 +176,10 @@ def test_annotated_attention_matches_reference(impl, is_causal):
     q, k, v = (torch.randn(2, 3, 17, 16) for _ in range(3))
     out = impl.benchmarking.annotated_scaled_dot_product_attention(q, k, v, is_causal=is_causal)
     label = "causal" if is_causal else "full"
+    # Error model: fp32 (u = 2⁻²⁴ ≈ 6e-8) against float64. q·kᵀ sums D = 16 products, softmax normalises
+    # over Nk = 17 keys, P·v sums 17 products: a forward error of at most ~(D + 2·Nk)·u ≈ 3e-6 relative to
+    # the magnitudes (|out| ≲ 3), so atol 1e-5 + rtol 1e-4 leaves a ≥ 3× margin, while a wrong scale or mask
+    # changes outputs by O(0.1–1).
     assert_close(out, _attention_float64(q, k, v, is_causal), name=f"attention output ({label})",
                  section="handout 01 §3", rtol=1e-4, atol=1e-5)
 
@@ -163,6 +194,23 @@ def test_annotated_attention_nvtx_ranges(impl, monkeypatch):
     assert fake.ranges == expected, (
         f"NVTX ranges (name, depth) opened: {fake.ranges}; expected {expected} — one outer range with the three "
         "phases nested inside, in order. See handout 01 §3."
+    )
+    # Each range must hold its own work, or nsys bills it to the wrong phase: the two matmuls in
+    # attention_scores and final_matmul, the softmax (or its exp) in softmax.
+    fake = RecordingNvtx()
+    monkeypatch.setattr(impl.benchmarking, "nvtx", fake)
+    with OpsByRange(fake) as log:
+        impl.benchmarking.annotated_scaled_dot_product_attention(q, k, v, is_causal=True)
+    matmuls = [where for op, where in log.ops if op in ("bmm", "mm", "matmul", "baddbmm", "addmm")]
+    assert matmuls[:1] == ["attention_scores"] and matmuls[-1:] == ["final_matmul"] and len(matmuls) >= 2, (
+        f"the matmuls ran in NVTX ranges {matmuls}; expected q·kᵀ inside 'attention_scores' and weights·v inside "
+        "'final_matmul'. See handout 01 §3."
+    )
+    softmax = [(op, where) for op, where in log.ops if "softmax" in op or op in ("exp", "exp_")]
+    misplaced = [(op, where) for op, where in softmax if where != "softmax"]
+    assert softmax and not misplaced, (
+        f"softmax ops and the NVTX range each ran in: {softmax or 'none seen'}; every softmax op must run inside "
+        "the 'softmax' range, or nsys bills its time to another phase. See handout 01 §3."
     )
 
 
@@ -186,15 +234,35 @@ def test_benchmark_model_nvtx_ranges_split_the_train_step(impl, monkeypatch):
 @pytest.mark.points(2)
 @pytest.mark.parametrize("mode", ["forward", "forward_backward", "train_step"])
 def test_benchmark_model_modes(impl, mode):
-    """Each mode runs what it says: forward leaves no gradients; train_step changes the weights."""
+    """Each mode runs what it says: forward builds no autograd graph; forward_backward computes every
+    gradient once per step; train_step changes the weights."""
     torch.manual_seed(0)
     model = TransformerLM(get_config("tiny"))
     before = [p.detach().clone() for p in model.parameters()]
-    result = impl.benchmarking.benchmark_model("tiny", context_length=16, batch_size=2, mode=mode, warmup=1,
-                                               iters=2, device="cpu", model=model)
+    grads_computed = {name: 0 for name, _ in model.named_parameters()}
+    for name, p in model.named_parameters():
+        p.register_hook(lambda g, name=name: grads_computed.__setitem__(name, grads_computed[name] + 1))
+    saved = []  # every tensor autograd saves for backward: none when the forward runs under no_grad
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.shape) or t, lambda t: t):
+        result = impl.benchmarking.benchmark_model("tiny", context_length=16, batch_size=2, mode=mode, warmup=1,
+                                                   iters=2, device="cpu", model=model)
     stats = result["timing"]
     assert len(stats.samples) == 2 and all(s > 0 for s in stats.samples), f"timing samples {stats.samples}"
-    assert result["tokens_per_s"] == pytest.approx(2 * 16 / stats.mean), "tokens/s = batch × context / mean time"
+    # Exact up to float rounding of one division (rel 1e-12 ≫ 2⁻⁵² ≈ 2e-16).
+    assert result["tokens_per_s"] == pytest.approx(2 * 16 / stats.mean, rel=1e-12), (
+        f"tokens_per_s = {result['tokens_per_s']!r}, expected batch × context / mean time = 2 × 16 / "
+        f"{stats.mean!r} = {2 * 16 / stats.mean!r}. See handout 01 §2.")
+    expected_grads = 0 if mode == "forward" else 3  # 1 warm-up + 2 timed steps
+    wrong = {name: n for name, n in grads_computed.items() if n != expected_grads}
+    hint = "forward must not run backward" if mode == "forward" else "Each step runs loss.backward()"
+    assert not wrong, (
+        f"mode {mode!r}: each parameter's gradient should be computed {expected_grads} times over 1 warm-up + 2 "
+        f"timed steps, but {len(wrong)} of {len(grads_computed)} were not, e.g. {dict(list(wrong.items())[:3])} "
+        f"(times computed). {hint}. See handout 01 §2.")
+    if mode == "forward":
+        assert not saved, (
+            f"forward mode saved {len(saved)} tensors for a backward that never runs (first shapes "
+            f"{saved[:3]}): run it under torch.no_grad(). See handout 01 §2.")
     changed = any(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
     if mode == "train_step":
         assert changed, "train_step must run optimizer.step(): the weights did not change (handout 01 §2)"
@@ -204,12 +272,40 @@ def test_benchmark_model_modes(impl, mode):
         assert all(p.grad is None for p in model.parameters()), "forward mode must not compute gradients"
 
 
+@pytest.mark.points(1)
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
+def test_benchmark_model_runs_the_forward_in_dtype(impl, dtype):
+    """The forward runs under autocast in the requested dtype (the linears' outputs have that dtype) while
+    the weights stay fp32."""
+    expected = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    torch.manual_seed(0)
+    model = TransformerLM(get_config("tiny", num_layers=1))
+    seen: dict[str, set] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) or type(module).__name__ == "Linear":
+            module.register_forward_hook(lambda m, i, out, name=name: seen.setdefault(name, set()).add(out.dtype))
+    impl.benchmarking.benchmark_model("tiny", context_length=16, batch_size=2, mode="forward_backward",
+                                      dtype=dtype, warmup=0, iters=1, device="cpu", model=model)
+    wrong = {name: sorted(map(str, dtypes)) for name, dtypes in seen.items() if dtypes != {expected}}
+    assert seen and not wrong, (
+        f"benchmark_model(dtype={dtype!r}): linear layers produced {wrong or 'nothing (no forward seen)'}; expected "
+        f"{expected} everywhere — the forward runs under torch.autocast(dtype) (fp32: autocast off). "
+        "See handout 01 §2.")
+    low = {name: p.dtype for name, p in model.named_parameters() if p.dtype != torch.float32}
+    assert not low, (f"benchmark_model(dtype={dtype!r}) changed the weights' dtype: {low}; the weights stay fp32 "
+                     "(autocast makes the low-precision copies). See handout 01 §2.")
+
+
 @pytest.mark.points(2)
 def test_profile_step_finds_the_linear_layers_matmul(impl, tmp_path):
     layer = torch.nn.Linear(256, 256)
     x = torch.randn(64, 256)
     trace = tmp_path / "trace.json"
-    rows = impl.benchmarking.profile_step(lambda: layer(x), row_limit=5, trace_path=trace)
+    calls = []
+    rows = impl.benchmarking.profile_step(lambda: calls.append(1) or layer(x), warmup=2, row_limit=5,
+                                          trace_path=trace)
+    assert len(calls) == 3, (f"profile_step(warmup=2) called fn {len(calls)} times; expected 2 warm-up calls and "
+                             "1 profiled call. See handout 01 §5.")
     names = [r["name"] for r in rows]
     assert any(n in ("aten::addmm", "aten::mm", "aten::matmul") for n in names), (
         f"top ops by self time were {names}: a Linear layer's time is spent in its matmul (aten::addmm). "
@@ -217,7 +313,16 @@ def test_profile_step_finds_the_linear_layers_matmul(impl, tmp_path):
     )
     times = [r["self_time_us"] for r in rows]
     assert times == sorted(times, reverse=True), f"rows must be sorted by self time, got {times}"
-    assert len(rows) <= 5
+    # A Linear forward runs at least 5 distinct ops (linear, t, transpose, as_strided, addmm), so exactly 5 rows.
+    assert len(rows) == 5, f"profile_step(row_limit=5) returned {len(rows)} rows; expected the top 5 (handout 01 §5)"
+    everything = impl.benchmarking.profile_step(lambda: layer(x), row_limit=100)
+    by_name = {r["name"]: r for r in everything}
+    over = [r for r in everything if r["self_time_us"] > r["total_time_us"] * (1 + 1e-9)]
+    assert not over, f"self time above total time in {over[:2]}: self ⊂ total (handout 01 §5)"
+    linear = by_name.get("aten::linear")
+    assert linear is not None and linear["self_time_us"] < linear["total_time_us"], (
+        f"aten::linear row {linear}: its self time must exclude the aten::addmm it calls, so self < total. "
+        "self_time_us is the op's exclusive time (self_cpu_time_total on a CPU). See handout 01 §5.")
     events = json.loads(trace.read_text())["traceEvents"]
     assert any("addmm" in str(e.get("name", "")) or "mm" == str(e.get("name", ""))[-2:] for e in events), (
         "the Chrome trace has no matmul event (handout 01 §5)"

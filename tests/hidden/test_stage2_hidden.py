@@ -45,7 +45,7 @@ def test_hidden_estimate_mini_bf16_with_checkpoint(impl) -> None:
     base = TransformerLM(config)
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, config.vocab_size, (1, 49), generator=g)
-    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    inputs, targets = tokens[:, :-1].clone(), tokens[:, 1:].clone()  # separate storages, as a loader gives
     for policy in ("none", 2):
         model = impl.precision.checkpointed(copy.deepcopy(base), policy)
 
@@ -55,7 +55,8 @@ def test_hidden_estimate_mini_bf16_with_checkpoint(impl) -> None:
             return cross_entropy(logits, targets)
 
         measured = impl.precision.saved_activation_bytes(fn)
+        # The count is exact but for the loss's one 4-byte fp32 scalar: 16 bytes of slack, far below any item.
         est = impl.precision.activation_memory_estimate(config, 1, 48, torch.bfloat16, device_type="cpu",
                                                         checkpoint_policy=policy)
         assert_close(torch.tensor(float(est["total"])), torch.tensor(float(measured)),
-                     name=f"estimated bytes, mini bf16, policy {policy!r}", section="handout 02 §6", rtol=0.10, atol=0)
+                     name=f"estimated bytes, mini bf16, policy {policy!r}", section="handout 02 §6", rtol=0, atol=16)
