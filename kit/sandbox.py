@@ -16,6 +16,12 @@ carrying the run's ``KIT_GRADING_ID`` marker, and the orphans re-parented to it 
 subreaper). Polling the parent is deliberate: ``PR_SET_PDEATHSIG`` fires when the *thread* that forked
 exits, and the grader forks from worker threads. The command itself gets ``PR_SET_PDEATHSIG`` towards the
 single-threaded watchdog, so killing the watchdog kills the command too.
+
+When the command exits, the watchdog sweeps the run the same way before it exits itself, and with
+``--leftovers-file PATH`` writes how many processes it killed there. Doing this in the watchdog, not the
+grader, is what attributes an orphan to the right submission: while the watchdog lives, the run's orphans
+(even ones that cleared their environment) are its children, whereas the grader, grading several
+submissions from threads, could not tell whose orphan it adopted.
 """
 
 from __future__ import annotations
@@ -86,9 +92,10 @@ def _reap_children() -> dict[int, int]:
         done[pid] = 128 - done[pid] if done[pid] < 0 else done[pid]
 
 
-def _kill_the_run(marker: bytes | None) -> None:
-    """Kill everything of this run but the watchdog itself: its group, marked processes, adopted orphans."""
-    me, group = os.getpid(), os.getpgrp()
+def _kill_the_run(marker: bytes | None) -> int:
+    """Kill everything of this run but the watchdog itself: its group, marked processes, adopted orphans.
+    Returns how many processes were killed."""
+    me, group, killed = os.getpid(), os.getpgrp(), 0
     for _ in range(20):  # orphans re-parent to the watchdog as their parents die: sweep until none is left
         found = 0
         for pid, ppid, pgrp, state, environ in processes():
@@ -98,14 +105,18 @@ def _kill_the_run(marker: bytes | None) -> None:
                     found += 1
                 except OSError:
                     pass
+        killed += found
+        if not found:
+            return killed
         time.sleep(0.05)
         _reap_children()
-        if not found:
-            return
+    return killed
 
 
-def watch(command: list[str], grader_pid: int, memory_gb: float | None, file_gb: float | None) -> int:
-    """Run ``command`` in a child; return its exit code, or kill the run if the grader dies first."""
+def watch(command: list[str], grader_pid: int, memory_gb: float | None, file_gb: float | None,
+          leftovers_file: str | None = None) -> int:
+    """Run ``command`` in a child; return its exit code, or kill the run if the grader dies first.
+    When the command exits, kill what it left running and write the count to ``leftovers_file``."""
     prctl(PR_SET_CHILD_SUBREAPER, 1)
     watchdog = os.getpid()
     child = os.fork()
@@ -120,6 +131,10 @@ def watch(command: list[str], grader_pid: int, memory_gb: float | None, file_gb:
     while True:
         exited = _reap_children()
         if child in exited:
+            killed = _kill_the_run(marker)
+            if leftovers_file:
+                with open(leftovers_file, "w") as f:
+                    f.write(str(killed))
             return exited[child]
         if os.getppid() != grader_pid:
             _kill_the_run(marker)
@@ -132,13 +147,15 @@ def main() -> None:
     parser.add_argument("--memory-gb", type=float, default=None)
     parser.add_argument("--file-gb", type=float, default=None)
     parser.add_argument("--grader-pid", type=int, default=None, help="stay as a watchdog; kill the run if it dies")
+    parser.add_argument("--leftovers-file", default=None,
+                        help="with --grader-pid: write how many leftover processes were killed here")
     parser.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args()
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         parser.error("a command to run is required after --")
     if args.grader_pid:
-        sys.exit(watch(command, args.grader_pid, args.memory_gb, args.file_gb))
+        sys.exit(watch(command, args.grader_pid, args.memory_gb, args.file_gb, args.leftovers_file))
     apply_limits(args.memory_gb, args.file_gb)
     os.execvp(command[0], command)
 

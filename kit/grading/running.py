@@ -105,10 +105,10 @@ class SuiteRun:
                 break
         return tail(out)
 
-    def _command(self, log: Path, failed_imports: Path, targets: list[str]) -> list[str]:
+    def _command(self, log: Path, failed_imports: Path, leftovers: Path, targets: list[str]) -> list[str]:
         lim = self.limits
         return [sys.executable, "-m", "kit.sandbox", f"--memory-gb={lim.memory_gb or 0}",
-                f"--file-gb={lim.file_gb or 0}", f"--grader-pid={os.getpid()}", "--",
+                f"--file-gb={lim.file_gb or 0}", f"--grader-pid={os.getpid()}", f"--leftovers-file={leftovers}", "--",
                 sys.executable, "-m", "pytest", *targets, "-q", "-p", "kit", "-p", "no:cacheprovider",
                 "-p", "kit.grading_plugin", f"--grading-log={log}", f"--per-test-timeout={lim.per_test_timeout}",
                 f"--timing-factor={lim.timing_factor}", f"--timing-floor={lim.timing_floor}",
@@ -118,12 +118,13 @@ class SuiteRun:
     def _attempt(self, tmp: Path, n: int, targets: list[str], env: dict, out: Path) -> tuple[str, int | None]:
         """One child process: returns how it ended (exited, hung, lingered, timeout, interrupted) and its exit code."""
         log, failed_imports = tmp / f"events-{n}.jsonl", tmp / f"failed-imports-{n}.json"
+        leftovers = tmp / f"leftovers-{n}.txt"
         failed_imports.write_text(json.dumps(self.record.import_failures))
         reader = SignedLog(log, self.key)
         self.record.finished = False
         with open(out, "ab") as output:
             try:
-                proc = processes.start(self._command(log, failed_imports, targets), cwd=self.tree, env=env,
+                proc = processes.start(self._command(log, failed_imports, leftovers, targets), cwd=self.tree, env=env,
                                        output=output, grading_id=self.grading_id)
             except InterruptedError:
                 return "interrupted", None
@@ -131,7 +132,11 @@ class SuiteRun:
                 outcome = self._watch(proc, reader)
             finally:
                 processes.stop(proc)
+        # The watchdog killed what the run left behind (it knows its own orphans); the grader then sweeps
+        # for anything carrying this run's marker that escaped the watchdog's process tree.
         killed = processes.kill_leftovers(self.grading_id)
+        if leftovers.exists():
+            killed += int(leftovers.read_text() or 0)
         if killed:
             self.notes.append(f"killed {killed} process(es) the submission left running")
         for event in reader.read_new():
