@@ -80,6 +80,39 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU — this check runs on GPU machines only"))
     if problems:
         raise pytest.UsageError("test suite markers are inconsistent:\n  " + "\n  ".join(problems))
+    _composed_tests_last(items)
+
+
+def _stage_marker(item: pytest.Item) -> str | None:
+    return next((m.name for m in item.iter_markers() if m.name[:5] == "stage" and m.name[5:].isdigit()), None)
+
+
+def _composed_tests_last(items: list[pytest.Item]) -> None:
+    """A test module that sets ``RUN_AFTER_UNITS = True`` runs after the other tests of its stage.
+
+    Its tests compose the pieces the stage's other tests check one at a time (Stage 6's 4D training), so a
+    mistake in one piece fails first the test that names it, not the composition (run with ``-x``).
+    """
+    deferred: dict[str | None, list[pytest.Item]] = {}
+    rest: list[pytest.Item] = []
+    for item in items:
+        module = getattr(item, "module", None)
+        if getattr(module, "RUN_AFTER_UNITS", False):
+            deferred.setdefault(_stage_marker(item), []).append(item)
+        else:
+            rest.append(item)
+    if not deferred:
+        return
+    last = {_stage_marker(item): i for i, item in enumerate(rest)}
+    ordered: list[pytest.Item] = []
+    for i, item in enumerate(rest):
+        ordered.append(item)
+        stage = _stage_marker(item)
+        if last.get(stage) == i:
+            ordered += deferred.pop(stage, [])
+    for leftover in deferred.values():
+        ordered += leftover
+    items[:] = ordered
 
 
 @pytest.fixture(scope="session")

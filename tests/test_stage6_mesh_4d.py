@@ -13,10 +13,13 @@ import pytest
 import torch
 
 from kit.checks import run_checks, spawned_checks
-from kit.model import cross_entropy, make_optimizer
+from kit.model import ModelConfig, TransformerLM, cross_entropy, make_optimizer
 from kit.testing import assert_close, assert_equal, raises
 
 pytestmark = pytest.mark.stage6
+# The composed run checks what test_stage6_parallel_alone.py checks piece by piece: run it after those tests
+# (tests/conftest.py), so that a mistake in one piece fails first the test that names the piece.
+RUN_AFTER_UNITS = True
 
 LAYOUTS = {"2x2x2x1": dict(dp=2, tp=2, pp=2, ep=1), "1x2x2x2": dict(dp=1, tp=2, pp=2, ep=2)}
 COMMON = dict(global_batch_size=8, micro_batch_size=2, grad_accum_steps=2, steps=3, seq_len=8, capacity_factor=1.0)
@@ -49,12 +52,59 @@ def _train_check(impl, kwargs) -> dict:
             "comm": log.bytes_by_op()}
 
 
+# Groups that do not start at rank 0, made without the mesh: a tp-like pair of consecutive ranks and a pp-like pair
+# four ranks apart. On them a group rank (the shard, the stage) differs from the global rank.
+PAIRS = {"tp": [[0, 1], [2, 3], [4, 5], [6, 7]], "pp": [[0, 4], [1, 5], [2, 6], [3, 7]]}
+SUB_PIPE = ModelConfig(vocab_size=32, context_length=8, d_model=16, d_ff=32, num_layers=2, num_heads=2)
+_SUBGROUPS: dict = {}
+
+
+def _subgroup(axis: str):
+    import torch.distributed as dist
+
+    if not _SUBGROUPS:  # collective: every rank creates every group, in the same order
+        for name, pairs in PAIRS.items():
+            _SUBGROUPS[name], _ = dist.new_subgroups_by_enumeration(pairs)
+    return _SUBGROUPS[axis]
+
+
+def _tp_linears() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(17)
+    return torch.randn(8, 6, generator=g), torch.randn(6, 8, generator=g), torch.randn(2, 3, 6, generator=g)
+
+
+def _sub_pipe():
+    torch.manual_seed(19)
+    model = TransformerLM(SUB_PIPE)
+    tokens = torch.randint(0, SUB_PIPE.vocab_size, (2, 2, 7), generator=torch.Generator().manual_seed(20))
+    return model, [(tokens[i, :, :-1], tokens[i, :, 1:]) for i in range(2)]
+
+
+def _tp_subgroup_check(tp) -> dict:
+    group = _subgroup("tp")
+    a, b, x = _tp_linears()
+    col, row = tp.ColumnParallelLinear(a, group), tp.RowParallelLinear(b, group)
+    return {"y": row(col(x)).detach(), "col_weight": col.weight.detach().clone()}
+
+
+def _pp_subgroup_check(pp) -> dict:
+    import torch.distributed as dist
+
+    group = _subgroup("pp")
+    model, batches = _sub_pipe()
+    stage = pp.PipelineStage(model, dist.get_rank(group), 2)
+    res = pp.one_f_one_b(stage, batches, group=group, activation_shape=(2, 6, SUB_PIPE.d_model))
+    return {"loss": res.loss, "grads": {n: p.grad.clone() for n, p in stage.named_parameters() if p.grad is not None}}
+
+
 def _mesh_rank_fn() -> dict:
     import kit.impl
 
     impl = kit.impl.load()
     checks = {f"mesh_{name}": lambda degrees=degrees: _mesh_check(impl.parallel.mesh, degrees)
               for name, degrees in LAYOUTS.items()}
+    checks["tp_on_subgroup"] = lambda: _tp_subgroup_check(impl.parallel.tensor_parallel)
+    checks["pp_on_subgroup"] = lambda: _pp_subgroup_check(impl.parallel.pipeline_parallel)
     checks.update({f"train_{name}": lambda kwargs=kwargs: _train_check(impl, kwargs) for name, kwargs in TRAIN.items()})
     return run_checks(checks)
 
@@ -108,6 +158,60 @@ def test_format_mesh(impl):
 # ------------------------------------------------------------------------------------------------
 # Composition (handout 06 §5)
 # ------------------------------------------------------------------------------------------------
+
+@pytest.mark.points(2)
+def test_pieces_on_subgroups(ranks8):
+    """Tensor and pipeline parallelism on groups that do not start at rank 0 (handout 06 §1–3)."""
+    a, b, x = (t.double() for t in _tp_linears())
+    tp_ranks = ranks8.values("tp_on_subgroup")
+    for rank, v in enumerate(tp_ranks):
+        pair = next(p for p in PAIRS["tp"] if rank in p)
+        i = pair.index(rank)
+        who = f"rank {rank} (group rank {i} of the tp group {pair})"
+        assert_close(v["col_weight"], a.chunk(2, 0)[i], name=f"{who}: ColumnParallelLinear weight shard — the "
+                     "slice of the rank in the tp group, not of the global rank", section="handout 06 §2.2")
+        # fp32 products of length 6 and 4, summed over 2 ranks: rounding ~1e-6 relative; 1e-5 leaves room.
+        assert_close(v["y"], x @ a.T @ b.T, name=f"{who}: RowParallelLinear(ColumnParallelLinear(x))",
+                     section="handout 06 §2.2", rtol=1e-5, atol=1e-5)
+    model, batches = _sub_pipe()
+    losses = []
+    for inputs, targets in batches:
+        loss = cross_entropy(model(inputs), targets)
+        (loss / len(batches)).backward()
+        losses.append(loss.item())
+    loss = sum(losses) / len(losses)
+    for rank, v in enumerate(ranks8.values("pp_on_subgroup")):
+        pair = next(p for p in PAIRS["pp"] if rank in p)
+        who = f"rank {rank} (stage {pair.index(rank)} of the pp group {pair})"
+        # fp32 forward of a 2-layer model: the loss agrees with one process to ~1e-6; 1e-5 leaves room.
+        assert abs(v["loss"] - loss) < 1e-5, (
+            f"{who}: 1F1B reported loss {v['loss']:.6f}, one process gives {loss:.6f} — on a subgroup the last "
+            "stage is group rank p−1, global rank dist.get_global_rank(group, p−1). See handout 06 §3.2.")
+        for name, grad in v["grads"].items():
+            assert_close(grad, model.get_parameter(name).grad, name=f"{who}: gradient of {name}",
+                         section="handout 06 §3.2", rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.points(1)
+def test_batch_config_and_microbatches(impl):
+    from kit.data import random_batch
+
+    t4 = impl.parallel.train_4d
+    with raises(ValueError, match="global_batch_size", section="handout 06 §5.2",
+                what="Train4DConfig(dp=2, ep=2, global_batch_size=8, micro_batch_size=2, grad_accum_steps=2)"):
+        t4.Train4DConfig(dp=2, tp=1, pp=1, ep=2, global_batch_size=8, micro_batch_size=2, grad_accum_steps=2)
+    cfg = t4.Train4DConfig(dp=2, tp=1, pp=1, ep=2, global_batch_size=24, micro_batch_size=3, grad_accum_steps=2,
+                           seq_len=8)
+    inputs, targets = random_batch(24, 8, cfg.model.vocab_size, seed=cfg.seed + 5)
+    for shard in range(4):
+        got = t4.microbatches(cfg, 5, shard)
+        assert_equal(len(got), 2, name=f"number of micro-batches of shard {shard}", section="handout 06 §5.2")
+        for i, (x, y) in enumerate(got):
+            rows = slice(shard * 6 + i * 3, shard * 6 + (i + 1) * 3)
+            assert torch.equal(x, inputs[rows]) and torch.equal(y, targets[rows]), (
+                f"shard {shard} micro-batch {i} should be rows {rows.start}–{rows.stop - 1} of step 5's global batch "
+                "(handout 06 §5.2)")
+
 
 TP_SHARD_DIM = {"attn.q_proj.weight": 0, "attn.k_proj.weight": 0, "attn.v_proj.weight": 0,
                 "attn.output_proj.weight": 1}
@@ -170,7 +274,15 @@ def test_4d_training_matches_single_process(ranks8, impl, run):
     # fp32 throughout; the tensor-parallel sums and the gradient all-reduce add in a different order than one
     # process does, so equality holds to rounding: 1e-5 on the loss, and on parameters after 3 AdamW steps.
     for rank, v in enumerate(ranks):
-        assert_close(torch.tensor(v["losses"]), torch.tensor(losses), name=f"{run}: rank {rank}'s loss per step",
+        # Step 0's loss comes before any update: right at step 0 and wrong later means the forward is right and
+        # the gradients (their averaging over micro-batches, dp, ep) are not.
+        got = torch.tensor(v["losses"])
+        first_ok = abs(float(got[0]) - losses[0]) <= 1e-5 + 1e-5 * abs(losses[0])
+        where = ("the step-0 loss (before any update) matches, so the forward is right and the gradient "
+                 "synchronisation is not (§5.2 traps)" if first_ok else
+                 "already the step-0 loss (before any update) differs: the forward — data shards, pipeline, tp, "
+                 "ep — is wrong (§5.1–5.2)")
+        assert_close(got, torch.tensor(losses), name=f"{run}: rank {rank}'s loss per step ({where})",
                      section=s, rtol=1e-5, atol=1e-5)
     seen = set()
     for rank, v in enumerate(ranks):
@@ -183,27 +295,6 @@ def test_4d_training_matches_single_process(ranks8, impl, run):
     missing = sorted(set(params) - seen)
     assert not missing, f"{run}: no rank holds {missing}. See {s}."
     assert losses[-1] < losses[0], f"{run}: the single-process reference did not learn ({losses}); test set-up"
-
-
-@pytest.mark.points(1)
-def test_batch_config_and_microbatches(impl):
-    from kit.data import random_batch
-
-    t4 = impl.parallel.train_4d
-    with raises(ValueError, match="global_batch_size", section="handout 06 §5.2",
-                what="Train4DConfig(dp=2, ep=2, global_batch_size=8, micro_batch_size=2, grad_accum_steps=2)"):
-        t4.Train4DConfig(dp=2, tp=1, pp=1, ep=2, global_batch_size=8, micro_batch_size=2, grad_accum_steps=2)
-    cfg = t4.Train4DConfig(dp=2, tp=1, pp=1, ep=2, global_batch_size=24, micro_batch_size=3, grad_accum_steps=2,
-                           seq_len=8)
-    inputs, targets = random_batch(24, 8, cfg.model.vocab_size, seed=cfg.seed + 5)
-    for shard in range(4):
-        got = t4.microbatches(cfg, 5, shard)
-        assert_equal(len(got), 2, name=f"number of micro-batches of shard {shard}", section="handout 06 §5.2")
-        for i, (x, y) in enumerate(got):
-            rows = slice(shard * 6 + i * 3, shard * 6 + (i + 1) * 3)
-            assert torch.equal(x, inputs[rows]) and torch.equal(y, targets[rows]), (
-                f"shard {shard} micro-batch {i} should be rows {rows.start}–{rows.stop - 1} of step 5's global batch "
-                "(handout 06 §5.2)")
 
 
 # ------------------------------------------------------------------------------------------------

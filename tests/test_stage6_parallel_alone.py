@@ -354,6 +354,11 @@ def test_schedule_orders(impl):
                      section="handout 06 §3.3")
         assert_equal(_in_flight(order), min(p - s, m), name=f"1F1B stage {s}: most micro-batches in flight",
                      section="handout 06 §3.3")
+        # Point-to-point messages between two stages are matched in the order they are posted, so every stage
+        # must run the forwards, and the backwards, in the same (micro-batch) order.
+        for op in ("F", "B"):
+            assert_equal([i for o, i in order if o == op], list(range(m)),
+                         name=f"1F1B stage {s}: micro-batch order of the {op} operations", section="handout 06 §3.3")
     assert_equal(pp.one_f_one_b_order(4, 0, 2), [("F", 0), ("F", 1), ("B", 0), ("B", 1)],
                  name="one_f_one_b_order(p=4, s=0, m=2) with fewer micro-batches than stages",
                  section="handout 06 §3.3")
