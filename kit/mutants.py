@@ -9,10 +9,11 @@ A grade means something only if wrong answers lose points. The catalogue (``test
 instructor-only: it never ships in the release) lists, per stage, the mistakes students plausibly make —
 the ones the handout warns about first — each as a small find/replace patch of the reference. For each
 mutant this module builds a grading tree whose ``student/`` package is the reference with that one patch,
-runs the stage's **public** tests until the first failure, and reports it:
+runs the stage's **public** tests (all of them, as a student would), and reports:
 
-* ``killed``    — a public test failed; the report names the test and the first line of its message, and,
-  when the mutant gives ``expect`` (a regular expression), checks that the message points at the mistake;
+* ``killed``    — a public test failed; when the mutant gives ``expect`` (a regular expression), some failing
+  test's message must match it, i.e. point at the mistake (``unpointed`` otherwise); the report names that test
+  and the first line of its message;
 * ``survived``  — every public test passed: the suite cannot tell this mistake from the right answer;
 * ``justified`` — it survives the public tests for a reason written in ``survives``, and the hidden test
   named in ``hidden_test`` catches it (checked: a justified survivor that its hidden test misses fails).
@@ -140,23 +141,32 @@ def build_tree(dest: Path, root: Path = ROOT) -> Path:
     return dest
 
 
-def first_failure(junit: Path) -> tuple[str, str] | None:
-    """(test name, message) of the first failed or errored test in a junit XML report, else None.
+def failures(junit: Path) -> list[tuple[str, str]]:
+    """(test name, message) of every failed or errored test in a junit XML report, in the order they ran.
 
     The message is the exception's own text (what a student reads first), not the traceback.
     """
     if not junit.exists():
-        return None
-    for case in ET.parse(junit).getroot().iter("testcase"):
-        for child in case:
-            if child.tag in ("failure", "error"):
-                return case.get("name", "?"), (child.get("message") or child.text or "").strip()
-    return None
+        return []
+    return [(case.get("name", "?"), (child.get("message") or child.text or "").strip())
+            for case in ET.parse(junit).getroot().iter("testcase")
+            for child in case if child.tag in ("failure", "error")]
+
+
+def first_failure(junit: Path) -> tuple[str, str] | None:
+    """(test name, message) of the first failed or errored test in a junit XML report, else None."""
+    found = failures(junit)
+    return found[0] if found else None
 
 
 def run_tests(tree: Path, stage: int, *, hidden_test: str = "", everything: bool = False,
               timeout: float = 900.0) -> tuple[int, Path, str]:
-    """Run the stage's public tests (or one hidden test, or public and hidden) in ``tree`` until the first failure."""
+    """Run the stage's public tests (or one hidden test, or public and hidden until the first failure) in ``tree``.
+
+    The public tests all run, as they do for a student: a mistake in a component often also breaks a composed
+    test that runs earlier (stage 6's 4D training before its tensor-parallel tests), and what matters is that
+    some failing test's message points at the mistake.
+    """
     junit = tree / f"junit-{time.monotonic_ns()}.xml"
     marker = stage_registry.get(stage).marker
     if hidden_test:
@@ -165,7 +175,8 @@ def run_tests(tree: Path, stage: int, *, hidden_test: str = "", everything: bool
         selection = ["tests", "-m", marker]
     else:
         selection = ["tests", "-m", f"{marker} and not hidden", "--ignore=tests/hidden"]
-    cmd = [sys.executable, "-m", "pytest", *selection, "-x", "-q", "-p", "no:cacheprovider", "--impl", "student",
+    stop_first = ["-x"] if hidden_test or everything else []
+    cmd = [sys.executable, "-m", "pytest", *selection, *stop_first, "-q", "-p", "no:cacheprovider", "--impl", "student",
            "-o", "addopts=", "-p", "kit", f"--junitxml={junit}", "--tb=short"]
     env = {**os.environ, "LLMSYS_IMPL": "student", "PYTHONHASHSEED": "0", "MPLBACKEND": "Agg",
            "PYTHONDONTWRITEBYTECODE": "1"}
@@ -200,7 +211,9 @@ def judge(stage: int, mutant: Mutant, tree: Path, timeout: float) -> Verdict:
         verdict.verdict, verdict.message = "stale", str(exc)
         return verdict
     code, junit, output = run_tests(tree, stage, timeout=timeout)
-    failure = first_failure(junit)
+    found = failures(junit)
+    pointing = [f for f in found if mutant.expect and re.search(mutant.expect, f[1], re.I | re.S)]
+    failure = (pointing or found or [None])[0]
     if code == 0:
         if not mutant.survives:
             verdict.verdict = "survived"
@@ -217,10 +230,12 @@ def judge(stage: int, mutant: Mutant, tree: Path, timeout: float) -> Verdict:
         verdict.verdict, verdict.message = "error", headline(output)
     else:
         verdict.test, verdict.message = failure[0], headline(failure[1])
-        pointed = not mutant.expect or re.search(mutant.expect, failure[1], re.I | re.S)
+        pointed = not mutant.expect or bool(pointing)
         verdict.verdict = "killed" if pointed else "unpointed"
         if not pointed:
-            verdict.notes.append(f"the message does not match /{mutant.expect}/")
+            verdict.notes.append(f"no failing test's message matches /{mutant.expect}/")
+        if len(found) > 1:
+            verdict.notes.append(f"{len(found)} public tests fail")
     verdict.seconds = round(time.monotonic() - start, 1)
     return verdict
 

@@ -365,6 +365,18 @@ def test_schedule_orders(impl):
 
 
 @pytest.mark.points(1)
+def test_split_layers_gives_earlier_stages_the_remainder(impl):
+    pp = impl.parallel.pipeline_parallel
+    # Uneven splits tell "the first num_layers % pp stages get one more" from any other balanced split.
+    for num_layers, stages, expected in ((3, 2, [(0, 2), (2, 3)]), (10, 4, [(0, 3), (3, 6), (6, 8), (8, 10)]),
+                                         (4, 4, [(0, 1), (1, 2), (2, 3), (3, 4)]), (7, 1, [(0, 7)])):
+        assert_equal(pp.split_layers(num_layers, stages), expected, name=f"split_layers({num_layers}, {stages})",
+                     section="handout 06 §3.1")
+    with raises(ValueError, match="pp", what="split_layers(2, 3): more stages than layers", section="handout 06 §3.1"):
+        pp.split_layers(2, 3)
+
+
+@pytest.mark.points(1)
 def test_bubble_fraction_matches_simulated_schedule(impl):
     pp = impl.parallel.pipeline_parallel
     for p, m in ((2, 4), (4, 4), (4, 16), (8, 3)):

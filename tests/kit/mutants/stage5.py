@@ -99,7 +99,7 @@ MUTANTS = [
            find="                param.grad.div_(self.world_size)\n",
            replace="",
            mistake="the replicated parameters' gradients are all-reduced (summed) but not averaged (§5)",
-           expect=r"norm"),
+           expect=r"averaging the ranks' gradients"),
     Mutant("fsdp-grads-reduced-in-compute-dtype", "fsdp.py",
            find="        output = torch.empty(unit.shard_numel, dtype=torch.float32, device=unit.grad_input.device)\n"
                 "        work = _reduce_scatter_tensor(output, unit.grad_input.view(-1), op=dist.ReduceOp.SUM,",

@@ -82,6 +82,12 @@ MUTANTS = [
            replace="    return (p - 1) / m\n",
            mistake="bubble fraction as idle slots over busy slots instead of over the whole step (§3.2)",
            expect=r"bubble_fraction"),
+    Mutant("pp-layers-remainder-to-last-stages", "parallel/pipeline_parallel.py",
+           find="        end = start + base + (1 if s < extra else 0)",
+           replace="        end = start + base + (1 if s >= pp - extra else 0)",
+           mistake="the stages that get one extra layer are the last ones, not the first ones the handout names "
+                   "(§3.1: earlier stages take the remainder)",
+           expect=r"split_layers"),
     # ------------------------------------------------------------------------------------ expert parallel (§4)
     Mutant("ep-gates-not-renormalised", "parallel/expert_parallel.py",
            find="    gates = top_p / top_p.sum(dim=-1, keepdim=True)\n",
