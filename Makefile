@@ -86,8 +86,8 @@ soak: setup ##@instructor run the graded reference suite RUNS times in a row; st
 timings: setup ##@instructor record each graded test's reference time in tests/timings.json (the grader's per-test limits)
 	$(PY) -m kit grade --impl reference --hidden --record-timings $(if $(STAGE),--stage $(STAGE))
 
-mutants: setup ##@instructor the misconception catalogue (tests/kit/mutants): each mistake must fail a public test (STAGE=N or auto)
-	$(PY) -m kit mutants $(if $(STAGE),--stage $(STAGE))
+mutants: setup ##@instructor the misconception catalogue (tests/kit/mutants): each mistake must fail a public test (STAGE=N or auto, BUDGET=seconds)
+	$(PY) -m kit mutants $(if $(STAGE),--stage $(STAGE)) $(if $(BUDGET),--budget $(BUDGET))
 
 answers: setup ##@instructor render the answer key (instructor/answers) into answers-output/ (STAGE=N for some stages)
 	$(PY) -m kit answers $(if $(STAGE),--stage $(STAGE))

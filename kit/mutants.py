@@ -3,6 +3,7 @@
     python -m kit mutants                  # every stage's catalogue
     python -m kit mutants --stage 4        # one stage (``make mutants STAGE=4``)
     python -m kit mutants --stage auto     # one stage the last commit touched, else one by rotation (CI)
+    python -m kit mutants --stage auto --budget 600   # CI: as many as fit in 10 minutes, rotating daily
     python -m kit mutants --stage 4 --only sum-not-average
 
 A grade means something only if wrong answers lose points. The catalogue (``tests/kit/mutants/stage<N>.py``,
@@ -269,8 +270,14 @@ def changed_stages(root: Path = ROOT) -> list[int]:
 
 
 def run(stages: list[int], *, only: list[str] | None = None, timeout: float = 900.0, baseline: bool = True,
-        designs: bool = True, mutants_too: bool = True, out: Path = OUTPUT) -> list[Verdict]:
-    """Judge every catalogued mutant and design of ``stages``; print a table per stage, write ``out/stage<N>.*``."""
+        designs: bool = True, mutants_too: bool = True, out: Path = OUTPUT,
+        budget: float | None = None) -> list[Verdict]:
+    """Judge every catalogued mutant and design of ``stages``; print a table per stage, write ``out/stage<N>.*``.
+
+    With ``budget`` (seconds), no new mutant or design starts once that much time has passed (each stage
+    judges at least one); the list is
+    rotated by today's date first, so that successive CI runs, each within its time limit, cover all of it.
+    Those left over are named in the report, not counted as caught."""
     from tqdm import tqdm
 
     from kit.designs import judge_design
@@ -278,6 +285,7 @@ def run(stages: list[int], *, only: list[str] | None = None, timeout: float = 90
 
     verdicts: list[Verdict] = []
     out.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
     for stage in stages:
         mutants = [m for m in load_catalogue(stage) if not only or m.name in only] if mutants_too else []
         alternatives = [d for d in designs_of(stage) if not only or f"design:{d.name}" in only] if designs else []
@@ -291,12 +299,23 @@ def run(stages: list[int], *, only: list[str] | None = None, timeout: float = 90
             if baseline and (why := baseline_passes(tree, stage, timeout)):
                 raise RuntimeError(f"stage {stage}: the unmutated reference fails its own public tests in the "
                                    f"mutant tree, so no verdict would mean anything: {why}")
-            stage_verdicts = [judge(stage, m, tree, timeout)
-                              for m in tqdm(mutants, desc=f"stage {stage} mutants", unit="mutant")]
-            stage_verdicts += [judge_design(stage, d, tree, timeout)
-                               for d in tqdm(alternatives, desc=f"stage {stage} designs", unit="design")]
+            work: list[Mutant | Path] = [*mutants, *alternatives]
+            if budget is not None and work:
+                shift = dt.date.today().toordinal() % len(work)
+                work = work[shift:] + work[:shift]
+            stage_verdicts, left_over = [], []
+            for item in tqdm(work, desc=f"stage {stage} mutants and designs", unit="item"):
+                if budget is not None and stage_verdicts and time.monotonic() - started > budget:
+                    left_over.append(item.name if isinstance(item, Mutant) else f"design:{item.name}")
+                elif isinstance(item, Mutant):
+                    stage_verdicts.append(judge(stage, item, tree, timeout))
+                else:
+                    stage_verdicts.append(judge_design(stage, item, tree, timeout))
         verdicts += stage_verdicts
         report = format_report(stage, stage_verdicts)
+        if left_over:
+            report += (f"\n\nNot run within the {budget:g} s budget ({len(left_over)}; a later day's rotation "
+                       f"reaches them, `make mutants STAGE={stage}` runs all): {', '.join(left_over)}")
         print(report)
         (out / f"stage{stage}.md").write_text(report + "\n")
         (out / f"stage{stage}.json").write_text(json.dumps([asdict(v) for v in stage_verdicts], indent=2))
@@ -324,6 +343,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-baseline", action="store_true", help="skip checking that the reference passes first")
     parser.add_argument("--designs-only", action="store_true", help="only the alternative designs (tests/kit/designs)")
     parser.add_argument("--no-designs", action="store_true", help="only the mutants")
+    parser.add_argument("--budget", type=float, default=None,
+                        help="seconds: start no new mutant after this long (the order rotates daily); for CI")
     args = parser.parse_args(argv)
     if args.stage == "auto":
         chosen = changed_stages()
@@ -333,7 +354,8 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as exc:
             parser.error(str(exc))
     verdicts = run(chosen, only=args.only.split(",") if args.only else None, timeout=args.timeout,
-                   baseline=not args.no_baseline, designs=not args.no_designs, mutants_too=not args.designs_only)
+                   baseline=not args.no_baseline, designs=not args.no_designs, mutants_too=not args.designs_only,
+                   budget=args.budget)
     bad = [v for v in verdicts if not v.accounted]
     missing = ", ".join(f"stage {v.stage} {v.name} ({v.verdict})" for v in bad)
     print(f"\n{len(verdicts) - len(bad)}/{len(verdicts)} catalogued mistakes caught and designs passed"
