@@ -45,11 +45,34 @@ def _train_check(impl, kwargs) -> dict:
 
     t4 = impl.parallel.train_4d
     cfg = t4.Train4DConfig(**kwargs)
+    mesh = impl.parallel.mesh.build_mesh(dp=cfg.dp, tp=cfg.tp, pp=cfg.pp, ep=cfg.ep, device_type="cpu")
     log = CommLog()
-    out = t4.train(cfg, step_callback=lambda step: log if step == COUNTED_STEP else contextlib.nullcontext())
+    out = t4.train(cfg, mesh, step_callback=lambda step: log if step == COUNTED_STEP else contextlib.nullcontext())
     # Payload bytes per collective; a one-rank group moves nothing and is left out.
     return {"losses": out["losses"], "params": out["params"], "coords": dict(out["coords"]),
-            "comm": log.bytes_by_op()}
+            "comm": log.bytes_by_op(), "grads": _first_step_gradients(t4, cfg, mesh)}
+
+
+def _first_step_gradients(t4, cfg, mesh) -> dict[str, torch.Tensor]:
+    """The gradients ``train_step`` hands to ``optimizer.step()`` at step 0, by parameter name.
+
+    AdamW divides each gradient by its own running scale, so a gradient off by a constant factor (summed
+    instead of averaged over dp, expert gradients not divided by ep) barely moves the trained parameters.
+    The gradients themselves show it: a real optimizer with lr=0 reads them in a step pre-hook.
+    """
+    part = t4.parallelize(t4.build_model(cfg), mesh, cfg)
+    names = {id(p): n for n, p in part.stage.named_parameters()}
+    optimizer = torch.optim.SGD(part.stage.parameters(), lr=0.0)
+    seen: dict[str, torch.Tensor] = {}
+
+    def record(opt, args, kwargs) -> None:
+        for group in opt.param_groups:
+            for p in group["params"]:
+                seen[names[id(p)]] = torch.zeros_like(p) if p.grad is None else p.grad.detach().clone()
+
+    optimizer.register_step_pre_hook(record)
+    t4.train_step(part, optimizer, cfg, 0, mesh)
+    return seen
 
 
 # Groups that do not start at rank 0, made without the mesh: a tp-like pair of consecutive ranks and a pp-like pair
@@ -218,7 +241,7 @@ TP_SHARD_DIM = {"attn.q_proj.weight": 0, "attn.k_proj.weight": 0, "attn.v_proj.w
 EXPERT = ("ffn.w1", "ffn.w2", "ffn.w3")
 
 
-def _single_process(impl, kwargs) -> tuple[list[float], dict[str, torch.Tensor]]:
+def _single_process(impl, kwargs) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """The same model, unsharded, on one process: the global batch cut into the same routing groups."""
 
     # One thread: on a loaded 2-core machine, two threads contend and this tiny model runs 20× slower.
@@ -230,7 +253,8 @@ def _single_process(impl, kwargs) -> tuple[list[float], dict[str, torch.Tensor]]
         torch.set_num_threads(threads)
 
 
-def _single_process_run(impl, kwargs) -> tuple[list[float], dict[str, torch.Tensor]]:
+def _single_process_run(impl, kwargs) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Losses per step, the final parameters, and the gradients the optimizer sees at step 0."""
     from kit.data import random_batch
 
     t4 = impl.parallel.train_4d
@@ -249,10 +273,13 @@ def _single_process_run(impl, kwargs) -> tuple[list[float], dict[str, torch.Tens
             aux = sum(m.aux_loss for m in moes)
             ((ce + cfg.aux_loss_coef * aux) / (shards * ga)).backward()
             total += ce.item()
+        if step == 0:
+            grads = {n: torch.zeros_like(p) if p.grad is None else p.grad.detach().clone()
+                     for n, p in model.named_parameters()}
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(total / (shards * ga))
-    return losses, {n: p.detach() for n, p in model.named_parameters()}
+    return losses, {n: p.detach() for n, p in model.named_parameters()}, grads
 
 
 def _expected_shard(full: torch.Tensor, name: str, coords: dict, kwargs: dict) -> torch.Tensor:
@@ -269,7 +296,7 @@ def _expected_shard(full: torch.Tensor, name: str, coords: dict, kwargs: dict) -
 def test_4d_training_matches_single_process(ranks8, impl, run):
     ranks = ranks8.values(f"train_{run}")
     kwargs = TRAIN[run]
-    losses, params = _single_process(impl, kwargs)
+    losses, params, grads = _single_process(impl, kwargs)
     s = "handout 06 §5"
     # fp32 throughout; the tensor-parallel sums and the gradient all-reduce add in a different order than one
     # process does, so equality holds to rounding: 1e-5 on the loss, and on parameters after 3 AdamW steps.
@@ -284,6 +311,23 @@ def test_4d_training_matches_single_process(ranks8, impl, run):
                  "ep — is wrong (§5.1–5.2)")
         assert_close(got, torch.tensor(losses), name=f"{run}: rank {rank}'s loss per step ({where})",
                      section=s, rtol=1e-5, atol=1e-5)
+    # The gradients train_step hands the optimizer at step 0: the average over every data shard (dp·ep) and
+    # micro-batch. They sum B·T·(micro-batches) fp32 terms in another order than one process does, so they
+    # agree to a few units of fp32 rounding of the largest element (u·√n with n ≲ 10⁴ terms: ~1e-5 of it);
+    # 1e-4 relative to the tensor's largest element leaves a margin, and a wrong factor (×2, ×½) is far outside.
+    for rank, v in enumerate(ranks):
+        assert v["grads"], (f"{run}: rank {rank}'s train_step never called optimizer.step() (the test's optimizer "
+                            f"records the gradients it is handed). See {s}.")
+        for name, value in v["grads"].items():
+            if name not in grads:
+                continue  # a parameter the model does not have: the parameter check below names it
+            expected = _expected_shard(grads[name], name, v["coords"], kwargs)
+            ratio = float(value.norm() / expected.norm()) if expected.norm() > 0 else float("nan")
+            assert_close(value, expected, name=f"{run}: rank {rank} {v['coords']} gradient of {name} handed to "
+                         f"optimizer.step() at step 0 (its norm is {ratio:.3g}× the single-process one; gradient "
+                         "synchronisation: average over all dp·ep data shards and micro-batches, and expert "
+                         "gradients already sum the ep ranks' tokens — §5.2 traps)",
+                         section=s, rtol=1e-4, atol=1e-4 * float(expected.abs().max()))
     seen = set()
     for rank, v in enumerate(ranks):
         for name, value in v["params"].items():
