@@ -12,7 +12,7 @@ largest setup in the file, not the test's own: module-scoped fixtures (one spawn
 whole file) charge their time to whichever test of the file uses them first, and after a crash the
 resumed run starts in the middle of a file. For the same reason the first test a process runs from a
 file may also take the file's longest setup + call: shared work cached in a module variable is paid
-by whichever test gets there first. The defaults, ``factor`` 6 and ``floor`` 20 s, leave room for a
+by whichever test gets there first. The defaults, ``factor`` 6 and ``floor`` 10 s, leave room for a
 2-core machine under load, where a test can be 3× slower than when its time was recorded, so a stuck
 test costs seconds to a minute instead of the cap.
 
@@ -30,7 +30,7 @@ from pathlib import Path
 
 FILES = ("tests/timings.json", "tests/hidden/timings.json")
 FACTOR = 6.0
-FLOOR = 20.0
+FLOOR = 10.0
 
 
 @dataclass(frozen=True)
