@@ -127,6 +127,11 @@ def cmd_check_handout(args: argparse.Namespace) -> int:
 def cmd_release(args: argparse.Namespace) -> int:
     from kit import release
 
+    if not (args.student or args.check or args.build):
+        print("python -m kit release: say what to do: --student (regenerate student/, `make student`), "
+              "--check (fail when student/ is stale) or --build (dist/student-release/, `make release`)",
+              file=sys.stderr)
+        return 2
     if args.student:
         written = release.write_student(level=args.level)
         print(f"regenerated student/ from reference/ at the {args.level} level ({len(written)} files)")
