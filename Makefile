@@ -101,7 +101,7 @@ check-handout: setup ## check that the handout, the tests and the points agree
 notebooks: setup ## regenerate notebooks/*.ipynb from their jupytext .py twins
 	$(PY) -m jupytext --to ipynb --update notebooks/[0-9]*.py
 
-bench: setup ## run every benchmark on IMPL into bench-output/ (IMPL=reference SAVE=1: the committed tables)
+bench: setup ## run every benchmark on IMPL (default student) into bench-output/ (SAVE=1: over the committed tables in benchmarks/results/)
 	@for b in benchmarks/bench_*.py; do m=benchmarks.$$(basename $$b .py); echo "== python -m $$m"; \
 	    $(PY) -m $$m --impl $(IMPL) $(if $(SAVE),--save) || exit 1; done
 
