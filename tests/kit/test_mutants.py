@@ -106,3 +106,30 @@ def test_runner_reports_survivors_and_stale_entries(stage1_tree: Path) -> None:
                            mistake="none")
     verdict = mutants.judge(1, stale, stage1_tree, timeout=300)
     assert verdict.verdict == "stale" and "update the catalogue" in verdict.message
+
+
+def test_budget_starts_no_new_mutant_after_it_and_names_the_rest(monkeypatch, tmp_path: Path) -> None:
+    """CI's ``--budget``: at least one item per stage is judged, none starts after the budget, and the report
+    names those left over (the runner's own logic: the judging is stubbed, each 'mutant' taking 0.2 s)."""
+    import time
+
+    def fake_judge(stage, mutant, tree, timeout):
+        time.sleep(0.2)
+        return mutants.Verdict(stage, mutant.name, mutant.mistake, "killed")
+
+    def fake_tree(dest: Path) -> Path:
+        shutil.copytree(REFERENCE, dest / "tree" / "student")
+        return dest / "tree"
+
+    monkeypatch.setattr(mutants, "judge", fake_judge)
+    monkeypatch.setattr(mutants, "build_tree", fake_tree)
+    catalogue = mutants.load_catalogue(1)
+    verdicts = mutants.run([1], budget=0.5, baseline=False, designs=False, out=tmp_path)
+    assert 1 <= len(verdicts) <= 4, [v.name for v in verdicts]  # 0.2 s each: the fourth would start after 0.6 s
+    report = (tmp_path / "stage1.md").read_text()
+    left = re.search(r"Not run within the 0.5 s budget \((\d+);.*\): (.*)", report)
+    assert left, report
+    assert int(left.group(1)) == len(catalogue) - len(verdicts)
+    named = set(left.group(2).split(", ")) | {v.name for v in verdicts}
+    assert named == {m.name for m in catalogue}, "every catalogued mutant is either judged or named as left over"
+    assert mutants.run([1], budget=0.0, baseline=False, designs=False, out=tmp_path), "each stage judges one"
