@@ -3,7 +3,7 @@
     python -m kit mutants                  # every stage's catalogue
     python -m kit mutants --stage 4        # one stage (``make mutants STAGE=4``)
     python -m kit mutants --stage auto     # one stage the last commit touched, else one by rotation (CI)
-    python -m kit mutants --stage auto --budget 600   # CI: as many as fit in 10 minutes, rotating daily
+    python -m kit mutants --stage auto --budget 420   # CI: as many as fit in 7 minutes, rotating daily
     python -m kit mutants --stage 4 --only sum-not-average
 
 A grade means something only if wrong answers lose points. The catalogue (``tests/kit/mutants/stage<N>.py``,
@@ -275,9 +275,8 @@ def run(stages: list[int], *, only: list[str] | None = None, timeout: float = 90
     """Judge every catalogued mutant and design of ``stages``; print a table per stage, write ``out/stage<N>.*``.
 
     With ``budget`` (seconds), no new mutant or design starts once that much time has passed (each stage
-    judges at least one); the list is
-    rotated by today's date first, so that successive CI runs, each within its time limit, cover all of it.
-    Those left over are named in the report, not counted as caught."""
+    judges at least one). The list is rotated by today's date first, so that successive CI runs, each within
+    its time limit, cover all of it. Those left over are named in the report, not counted as caught."""
     from tqdm import tqdm
 
     from kit.designs import judge_design
