@@ -1,9 +1,25 @@
-"""Several checks in one spawn, each re-raised in its own test: the harness of the distributed tests.
+"""The one way a test runs the implementation: named checks in worker processes, data back, verdict here.
 
-Spawning ranks costs seconds, so a test module runs its distributed checks in one spawn and each test
-reads its own. One broken piece does not hide the others:
+The process that runs pytest — the **judge** — never imports, unpickles or calls the code under test.
+A test hands a module-level function (a *check*) to a **worker**; the worker imports the implementation
+(``kit.impl.load()``), calls it, and returns **data**: tensors, numbers, strings, lists and dicts of them
+(:mod:`kit.spawn.wire`, read without running any code). The judge then computes what that data must be —
+float64 maths, torch's own DDP, single-process training — and compares. A check never decides a test:
+anything a worker says is evidence for the judge, and a failure it raises only ever fails the test.
 
-    def _rank_checks() -> dict:                      # runs on every rank; module level, so ranks import it
+Single-process checks run in one warm worker kept for the session (:meth:`Worker.call`)::
+
+    def _attention(q, k, v):                  # runs in the worker: module level, so it is found by name
+        return kit.impl.load().benchmarking.annotated_scaled_dot_product_attention(q, k, v)
+
+    def test_attention(worker):               # runs in the judge
+        out = worker.call(_attention, q, k, v)
+        assert_close(out, attention_float64(q, k, v), name="attention output", section="handout 01 §3")
+
+Distributed checks run on N ranks (forked warm, see :mod:`kit.spawn`). Spawning costs a little, so a
+test module may run several checks in one spawn and each test reads its own::
+
+    def _rank_checks() -> dict:               # runs on every rank
         impl = kit.impl.load()
         return run_checks({"forward": lambda: forward(impl), "backward": lambda: backward(impl)})
 
@@ -22,30 +38,30 @@ that finished on every rank keep their values) and names the check where it stop
 
 A spawn may take its arguments from another spawn's results: pass ``args`` a function whose parameters
 name the fixtures it needs (``args=lambda two_ranks: (two_ranks.value_or_failure("checkpoint", rank=0),)``);
-a :class:`Failure` passed on this way is re-raised in the rank with :meth:`Failure.reraise`.
+a :class:`Failure` passed on this way is re-raised in the rank with :meth:`Failure.reraise`. For one check
+per spawn (each test its own spawn, so a hang costs one test), use :func:`run_check`.
 
-For one check per spawn (each test its own spawn, so a hang costs one test), use :func:`run_check`.
+Bad input is checked the same way: the worker records what a call did (:func:`outcome_of`) and the judge
+checks it (:func:`kit.testing.assert_raised`).
 """
 
 from __future__ import annotations
 
 import inspect
-import pickle
-import tempfile
-import traceback
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from kit.spawn import RankFailedError, RankTimeoutError, run_on_ranks
-from kit.spawn.rank import error_report
+from kit.spawn import RankFailedError, RankTimeoutError, raise_for, wire
+from kit.spawn import parent as _parent
+from kit.spawn.worker import error_report, in_worker, report_check
 
-__all__ = ["Failure", "RankCheckError", "SpawnedChecks", "run_check", "run_checks", "spawned_checks"]
+__all__ = ["Failure", "RankCheckError", "SpawnedChecks", "Worker", "outcome_of", "reference_ranks", "run_check",
+           "run_checks", "spawned_checks"]
 
 __tracebackhide__ = True  # pytest: the harness is not part of a student's traceback
 
-# In a rank under spawned_checks: the folder where each finished check is recorded, and the step store.
+# In a rank: the store its checks meet at between checks (created on first use).
 _HARNESS: dict[str, Any] = {}
 
 
@@ -55,7 +71,8 @@ class RankCheckError(Exception):
 
 @dataclass(frozen=True)
 class Failure:
-    """How one check failed on one rank. Picklable: it travels back from the rank and into other spawns."""
+    """How one check failed in one worker (``rank`` -1: the single-process worker). Built by the judge from
+    the worker's report (strings only); picklable, so it can be handed to a dependent spawn."""
 
     check: str
     rank: int
@@ -70,16 +87,13 @@ class Failure:
         return cls(check, -1, type(exc).__name__, "error", str(exc), "")
 
     @classmethod
-    def capture(cls, check: str, rank: int, exc: BaseException) -> Failure:
-        report = error_report(exc)
-        kind = ("not_implemented" if isinstance(exc, NotImplementedError)
-                else "assertion" if isinstance(exc, AssertionError) or report["type"] == "Failed"  # pytest.fail
-                else "error")
-        message, frames = report["message"], traceback.extract_tb(exc.__traceback__)
-        if not message and frames:  # a bare `assert x`: quote the line instead
-            last = frames[-1]
-            message = f"{report['type']} at {Path(last.filename).name}:{last.lineno}: {last.line}"
-        return cls(check, rank, report["type"], kind, message, report["traceback"])
+    def from_report(cls, check: str, rank: int, report: Any) -> Failure:
+        """From a worker's report (untrusted: every field is checked for its type)."""
+        report = report if isinstance(report, dict) else {}
+        kind = wire.field(report, "kind", str, "error")
+        return cls(check, rank, wire.field(report, "type", str, "Error"),
+                   kind if kind in ("not_implemented", "assertion", "error") else "error",
+                   wire.field(report, "message", str, ""), wire.field(report, "traceback", str, ""))
 
     @property
     def headline(self) -> str:
@@ -93,7 +107,8 @@ class Failure:
         where = f"rank {self.rank}, check {self.check!r}" if self.rank >= 0 else f"check {self.check!r}"
         text = f"{own}\n({where}{'; ' + note if note else ''})"
         if self.traceback:
-            text += f"\nTraceback of rank {self.rank} (most recent call last):\n{self.traceback.rstrip()}"
+            who = f"rank {self.rank}" if self.rank >= 0 else "the worker"
+            text += f"\nTraceback of {who} (most recent call last):\n{self.traceback.rstrip()}"
         return text
 
     def exception(self, note: str = "", prefix: str = "") -> BaseException:
@@ -111,47 +126,46 @@ class Failure:
 
 
 # ----------------------------------------------------------------------------------------------------
-# Inside the ranks
+# Inside the workers
 # ----------------------------------------------------------------------------------------------------
 
 
-def run_checks(checks: Mapping[str, Callable[[], Any]]) -> dict[str, tuple[bool, Any]]:
-    """Run each named check on this rank; keep ``(True, value)`` or ``(False, Failure)`` for each.
+def run_checks(checks: Mapping[str, Callable[[], Any]]) -> dict[str, bool]:
+    """Run each named check on this rank; send each one's value or failure to the judge as soon as it is
+    known (a later hang or crash keeps it). Returns ``{name: passed}``.
 
-    Under :func:`spawned_checks`, each outcome is written down as soon as it is known (a later hang or
-    crash keeps it), and the ranks wait for each other after every check, so a rank whose check failed
-    early cannot run ahead into the next check's collectives while the others are still in this one.
+    The ranks wait for each other after every check, so a rank whose check failed early cannot run ahead
+    into the next check's collectives while the others are still in this one.
     """
     import torch.distributed as dist
 
-    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-    outcomes: dict[str, tuple[bool, Any]] = {}
+    done: dict[str, bool] = {}
     for name, check in checks.items():
         try:
-            outcome: tuple[bool, Any] = (True, check())
-            record = pickle.dumps((name, outcome)) if _HARNESS else b""  # also proves it can travel back
+            value = wire.normalise(check(), f"check {name!r} returned a value whose part")
+            report_check(name, True, value)
+            done[name] = True
         except (KeyboardInterrupt, SystemExit):
             raise
-        except BaseException as exc:  # pytest.fail raises a BaseException too
-            outcome = (False, Failure.capture(name, rank, exc))
-            record = pickle.dumps((name, outcome)) if _HARNESS else b""
-        outcomes[name] = outcome
-        if _HARNESS:
-            with open(Path(_HARNESS["folder"]) / f"rank{rank}", "ab") as f:
-                f.write(record)
+        except BaseException as exc:  # noqa: BLE001 — pytest.fail raises a BaseException too
+            report_check(name, False, error_report(exc))
+            done[name] = False
+        if in_worker() and dist.is_available() and dist.is_initialized():
             _wait_for_the_other_ranks()
-    return outcomes
+    return done
 
 
 def _wait_for_the_other_ranks() -> None:
     # Through a store, not a collective: a collective here could pair up with one that a peer is still
     # blocked in, and gloo would then mix up the two. A peer that never comes makes the spawn time out.
     import datetime
+    import os
 
     import torch.distributed as dist
 
     if "store" not in _HARNESS:
-        _HARNESS["store"] = dist.FileStore(f"{_HARNESS['folder']}/steps", dist.get_world_size())
+        folder = os.environ["KIT_RANK_FOLDER"]
+        _HARNESS["store"] = dist.FileStore(f"{folder}/steps", dist.get_world_size())
     store, step = _HARNESS["store"], f"step{_HARNESS.setdefault('steps', 0)}"
     _HARNESS["steps"] += 1
     if store.add(step, 1) == dist.get_world_size():
@@ -159,33 +173,80 @@ def _wait_for_the_other_ranks() -> None:
     store.wait([f"{step}/all"], datetime.timedelta(days=1))
 
 
-def _harnessed(fn: Callable[..., dict], args: tuple, folder: str) -> dict:
-    """The rank function :class:`SpawnedChecks` runs: ``fn(*args)``, its outcomes recorded in ``folder``."""
-    _HARNESS["folder"] = folder
-    return fn(*args)
-
-
 def _one_check(fn: Callable[..., Any], args: tuple) -> dict:
     return run_checks({fn.__name__: lambda: fn(*args)})
 
 
-def _read_progress(folder: str, rank: int) -> dict[str, tuple[bool, Any]]:
-    path = Path(folder) / f"rank{rank}"
-    outcomes: dict[str, tuple[bool, Any]] = {}
-    if path.exists():
-        with open(path, "rb") as f:
-            while True:
-                try:
-                    name, outcome = pickle.load(f)
-                except (EOFError, pickle.UnpicklingError):  # the end, or a record cut short by a kill
-                    return outcomes
-                outcomes[name] = outcome
-    return outcomes
+def outcome_of(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> dict:
+    """In a worker: what calling ``fn`` did, as data for :func:`kit.testing.assert_raised` in the judge.
+
+    ``{"raised": type name, "mro": [its classes' names], "message": str}`` if it raised, else
+    ``{"returned": type name}``. A stub's ``NotImplementedError`` is not an outcome: it propagates, so the
+    test reports the stub.
+    """
+    try:
+        value = fn(*args, **kwargs)
+    except NotImplementedError:
+        raise
+    except Exception as exc:  # noqa: BLE001 — what it raised is the outcome
+        try:
+            message = str(exc)
+        except Exception:  # noqa: BLE001
+            message = repr(exc)
+        return {"raised": type(exc).__name__, "mro": [c.__name__ for c in type(exc).__mro__], "message": message}
+    return {"returned": type(value).__name__}
 
 
 # ----------------------------------------------------------------------------------------------------
-# In the test process
+# In the judge
 # ----------------------------------------------------------------------------------------------------
+
+
+class Worker:
+    """The session's single-process worker, as a test sees it (the ``worker`` fixture)."""
+
+    def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run ``fn(*args, **kwargs)`` in the worker and return its value (data), or raise its failure as
+        :class:`SpawnedChecks.values` does (a stub as ``NotImplementedError``, …). ``fn`` is a module-level
+        function; the arguments are pickled into the worker."""
+        return self.call_within(None, fn, *args, **kwargs)
+
+    def call_within(self, timeout: float | None, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """:meth:`call` with ``timeout`` seconds of wall clock as the last resort (default 600)."""
+        name = getattr(fn, "__name__", repr(fn))
+        limit = 600.0 if timeout is None else timeout
+        outcome = _parent.call(fn, args, kwargs, timeout=limit)
+        if outcome.limit:
+            raise RankTimeoutError(_parent.limit_message(outcome, f"check {name!r}", limit))
+        if outcome.died:
+            from kit.spawn.messages import silent_death
+
+            report = silent_death(outcome, 0)
+            raise RankCheckError(f"the worker running check {name!r} {report['message']}. A crash in native code "
+                                 "(a segmentation fault), os._exit, or the memory limit.")
+        final = outcome.finals[0]
+        if final.get("ok") is True:
+            return final.get("value")
+        raise Failure.from_report(name, -1, final.get("failure")).exception() from None
+
+    def import_module(self, name: str, timeout: float) -> str | None:
+        """Import module ``name`` in the worker within ``timeout`` s; ``None`` if it imports, else why not."""
+        # Its own limits, not a test's: an import spins (CPU) or blocks (idle) for at most ``timeout`` seconds.
+        previous = _parent.set_allowance(_parent.Allowance(cpu=timeout, idle=timeout))
+        try:
+            outcome = _parent.call(name, timeout=10 * timeout, op="import")
+        finally:
+            _parent.set_allowance(previous)
+        if outcome.limit:
+            return (f"importing {name} did not finish: it " + _parent.limit_message(outcome, "", timeout).strip()
+                    + "\nA module must import in seconds: keep the work inside functions.")
+        if outcome.died:
+            return f"the worker died while importing {name} (exit code {outcome.died[0]})"
+        final = outcome.finals[0]
+        if final.get("ok") is True:
+            return None
+        failure = Failure.from_report(name, -1, final.get("failure"))
+        return f"{name} failed to import:\n{failure.traceback}{failure.type_name}: {failure.message}"[-4000:]
 
 
 class SpawnedChecks:
@@ -199,18 +260,18 @@ class SpawnedChecks:
 
     def _run(self) -> list[dict[str, tuple[bool, Any]]]:
         if self._outcomes is None:
-            with tempfile.TemporaryDirectory(prefix="kit-checks-") as folder:
-                try:
-                    args = self.args() if callable(self.args) else tuple(self.args)
-                    per_rank = run_on_ranks(_harnessed, self.world_size, args=(self.fn, args, folder),
-                                            timeout=self.timeout, backend=self.backend)
-                    if not all(isinstance(r, dict) for r in per_rank):
-                        raise TypeError(f"{self.fn.__name__} must return run_checks({{...}})'s result, got "
-                                        f"{type(per_rank[0]).__name__}")
-                    self._outcomes = per_rank
-                except Exception as exc:  # a crash or a hang: keep what finished, explain the rest
-                    self._error = exc
-                    self._outcomes = [_read_progress(folder, r) for r in range(self.world_size)]
+            args = self.args() if callable(self.args) else tuple(self.args)
+            outcome = _parent.spawn(self.fn, self.world_size, self.backend or "gloo", args, {}, self.timeout)
+            self._outcomes = [
+                {name: (ok, payload if ok else Failure.from_report(name, r, payload))
+                 for name, (ok, payload) in outcome.checks[r].items()}
+                for r in range(self.world_size)]
+            try:
+                raise_for(outcome, self.world_size, self.timeout)
+                if not all(isinstance(outcome.finals[r].get("value"), dict) for r in range(self.world_size)):
+                    raise TypeError(f"{self.fn.__name__} must return run_checks({{...}})'s result")
+            except (RankFailedError, RankTimeoutError, TypeError) as exc:  # keep what finished, explain the rest
+                self._error = exc
         return self._outcomes
 
     def failure(self, name: str) -> Failure | None:
@@ -286,6 +347,17 @@ def spawned_checks(fn: Callable[..., dict], world_size: int, *, args: tuple | Ca
     return fixture
 
 
+def reference_ranks(fn: Callable[..., Any], world_size: int, *, args: tuple = (), timeout: float = 300.0,
+                    backend: str | None = "gloo") -> list[Any]:
+    """The judge's own distributed computation: ``fn(*args)`` on ``world_size`` ranks that cannot load the
+    implementation (torch's DDP, ``fully_shard``, ``ZeroRedundancyOptimizer`` as the expected values). They are
+    forked from a zygote of their own, out of the submission's reach. Returns the values by rank; any
+    failure is the kit's, raised as :class:`RankFailedError`/:class:`RankTimeoutError`."""
+    outcome = _parent.spawn(fn, world_size, backend or "gloo", tuple(args), {}, timeout, trusted=True)
+    raise_for(outcome, world_size, timeout)
+    return [outcome.finals[r].get("value") for r in range(world_size)]
+
+
 def run_check(fn: Callable[..., Any], world_size: int, *, args: tuple = (), timeout: float = 120.0,
               backend: str | None = "gloo") -> list[Any]:
     """Run ``fn(*args)`` on ``world_size`` ranks as one check, now; its values, or its failure re-raised.
@@ -294,4 +366,3 @@ def run_check(fn: Callable[..., Any], world_size: int, *, args: tuple = (), time
     """
     return SpawnedChecks(_one_check, world_size, args=(fn, tuple(args)), timeout=timeout,
                          backend=backend).values(fn.__name__)
-

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["CommLog", "Event", "format_events"]
+__all__ = ["CommLog", "Event", "events_from_data", "format_events"]
 
 __tracebackhide__ = True  # pytest: the kit's plumbing is not part of a student's traceback
 
@@ -77,6 +77,16 @@ class Event:
             return f"wait({self.op or '?'}{'' if self.target is None else f' #{self.target}'})"
         flag = {True: "async", False: "sync", None: ""}[self.async_op]
         return f"{self.op}({', '.join(x for x in (f'{self.nbytes} B', flag, f'group {list(self.group)}') if x)})"
+
+
+def events_from_data(data: list) -> list[Event]:
+    """In the judge: a rank's :meth:`CommLog.as_data` back as events (any malformed entry fails loudly)."""
+    events = []
+    for entry in data:
+        fields = dict(entry)
+        fields["group"] = tuple(fields.get("group", ()))
+        events.append(Event(**fields))
+    return events
 
 
 def format_events(events: list[Event]) -> str:
@@ -191,3 +201,7 @@ class CommLog(TorchDispatchMode):
     def format(self) -> str:
         """The events as one line, for a failure message (see :func:`format_events`)."""
         return format_events(self.events)
+
+    def as_data(self) -> list[dict]:
+        """The events as plain dicts, what a rank returns to the judge (:func:`events_from_data` reads them)."""
+        return [dict(e.__dict__) for e in self.events]

@@ -68,7 +68,7 @@ def collect_graded_tests(root: Path = ROOT) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         log = Path(tmp) / "events.jsonl"
         cmd = [sys.executable, "-m", "pytest", "tests", "--collect-only", "-q", "-p", "kit", "-p", "no:cacheprovider",
-               "-p", "kit.grading_plugin", f"--grading-log={log}", "--impl=reference", "-o", "addopts=",
+               "-p", "kit.grading.plugin", f"--grading-log={log}", "--impl=reference", "-o", "addopts=",
                "--ignore=tests/kit"]
         proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True)
         events = [json.loads(x) for x in log.read_text().splitlines()] if log.exists() else []

@@ -62,6 +62,12 @@ STAGES: tuple[Stage, ...] = (
 )
 
 
+def stage_of(item) -> int | None:
+    """The stage of a collected pytest test, from its ``stageN`` marker; None for a test without one."""
+    return next((int(m.name[5:]) for m in item.iter_markers() if m.name[:5] == "stage" and m.name[5:].isdigit()),
+                None)
+
+
 def numbers(stages: tuple[Stage, ...] = STAGES) -> list[int]:
     return [s.number for s in stages]
 

@@ -11,7 +11,7 @@ from types import TracebackType
 
 import torch
 
-__all__ = ["assert_close", "assert_equal", "raises"]
+__all__ = ["assert_close", "assert_equal", "assert_raised", "raises"]
 
 # pytest hides this module's frames: a failing comparison shows the test's line and this message, not our source.
 __tracebackhide__ = True
@@ -138,3 +138,22 @@ class raises:
                              f"{self.match!r}: {str(exc)!r}") from exc
         self.value = exc
         return True
+
+
+def assert_raised(outcome: dict, expected: type[BaseException] | tuple[type[BaseException], ...],
+                  match: str | None = None, *, what: str, section: str, hint: str = "") -> None:
+    """:class:`raises` for a call made in a worker: ``outcome`` is what :func:`kit.checks.outcome_of` recorded
+    there (``{"raised", "mro", "message"}`` or ``{"returned"}``), checked here with the same messages."""
+    expected = expected if isinstance(expected, tuple) else (expected,)
+    names = " or ".join(t.__name__ for t in expected)
+    wanted = names + (f" naming {match!r}" if match else "")
+    extra = f" {hint}" if hint else ""
+    if not isinstance(outcome, dict) or "raised" not in outcome:
+        raise AssertionError(f"{what}: returned without raising; expected {wanted}.{extra} See {section}.")
+    kind, message = str(outcome.get("raised")), str(outcome.get("message", ""))
+    mro = outcome.get("mro") if isinstance(outcome.get("mro"), list) else [kind]
+    if not any(t.__name__ in mro for t in expected):
+        raise AssertionError(f"{what}: expected {wanted}, got {kind}: {message}.{extra} See {section}.")
+    if match is not None and not re.search(match, message):
+        raise AssertionError(f"{what}: raised {kind} as expected, but its message does not name {match!r}: "
+                             f"{message!r}.{extra} See {section}.")

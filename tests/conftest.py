@@ -1,8 +1,11 @@
 """One suite grades either implementation: ``pytest --impl reference`` or ``--impl student`` (default).
 
-Tests reach the solution code only through the ``impl`` fixture (``impl.benchmarking.time_fn``), so the
-same files grade the student package, the reference, or a staged submission. ``$LLMSYS_IMPL`` works
-too and is what spawned ranks and notebooks read.
+The tests never run the implementation in this process. They reach it through the ``worker`` fixture
+(``worker.call(check, *args)``) or spawned ranks (``kit.checks``): a check runs in a worker process, loads
+the implementation with ``kit.impl.load()`` and returns data, which the test compares with what it
+computes itself. So the same files grade the student package, the reference, or a staged submission,
+and no submission can reach the code that decides (``$LLMSYS_IMPL``, which the workers read, carries the
+choice).
 
 Every test in a ``test_stage*.py`` file carries one ``stageN`` marker and a ``points(n)`` marker; the
 grader turns them into a score. The ``stageN`` markers are registered here from the stage registry
@@ -23,6 +26,7 @@ import torch
 import kit  # noqa: F401 — sets TRITON_INTERPRET before anything imports triton
 from kit import impl as impl_module
 from kit import stages as registry
+from kit.checks import Worker
 
 TESTS = Path(__file__).resolve().parent
 
@@ -40,8 +44,11 @@ def pytest_configure(config: pytest.Config) -> None:
     for stage in registry.STAGES:
         config.addinivalue_line("markers", f"{stage.marker}: Stage {stage.number} — {stage.title}")
     choice = impl_module.selected(config.getoption("--impl"))
-    # Spawned ranks and notebook kernels inherit the environment, so they load the same package.
+    # Workers, spawned ranks and notebook kernels inherit the environment, so they load the same package.
     os.environ[impl_module.ENV_VAR] = choice
+    # The judge's own computations (the expected values) use one thread, as every rank does: a reference
+    # trained here runs the same kernels as one trained in a rank, so "bit for bit" means what it says.
+    torch.set_num_threads(1)
 
 
 def pytest_report_header(config: pytest.Config) -> str:
@@ -64,6 +71,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         path = Path(str(item.path))
         if path.name.startswith("test_stage"):
             stages = [m.name for m in item.iter_markers() if m.name[:5] == "stage" and m.name[5:].isdigit()]
+            if "impl" in getattr(item, "fixturenames", ()):
+                problems.append(f"{item.nodeid}: a graded test reaches the implementation through the worker "
+                                "fixture or spawned ranks (kit.checks), never in the judge's process")
             has_points = item.get_closest_marker("points") is not None
             is_gpu = item.get_closest_marker("gpu") is not None
             owner = owners[path] if path in owners else owners.setdefault(path, _stage_of_file(path))
@@ -83,8 +93,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     _composed_tests_last(items)
 
 
-def _stage_marker(item: pytest.Item) -> str | None:
-    return next((m.name for m in item.iter_markers() if m.name[:5] == "stage" and m.name[5:].isdigit()), None)
+def _stage_marker(item: pytest.Item) -> int | None:
+    return registry.stage_of(item)
 
 
 def _composed_tests_last(items: list[pytest.Item]) -> None:
@@ -116,9 +126,10 @@ def _composed_tests_last(items: list[pytest.Item]) -> None:
 
 
 @pytest.fixture(scope="session")
-def impl() -> impl_module.Implementation:
-    """The implementation under test: ``impl.<module>`` imports ``student.<module>`` or ``reference.<module>``."""
-    return impl_module.load()
+def worker() -> Worker:
+    """The session's worker: ``worker.call(check, *args)`` runs a module-level ``check`` there (it loads the
+    implementation with ``kit.impl.load()``) and returns its data (see :mod:`kit.checks`)."""
+    return Worker()
 
 
 @pytest.fixture(autouse=True)

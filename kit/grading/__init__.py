@@ -5,12 +5,13 @@
 * :mod:`~kit.grading.processes` — the processes a run starts: reaping leftovers, stopping on a signal;
 * :mod:`~kit.grading.events` — the child's signed event log, read as it grows;
 * :mod:`~kit.grading.timings` — per-test time limits from the reference's recorded durations;
-* :mod:`~kit.grading.deadlines` — inside the child: the alarm around each test, the import checks;
+* :mod:`~kit.grading.plugin` — the judge: the pytest plugin of the graded process (limits, imports, events);
+* :mod:`~kit.grading.imports` — each stage's modules imported once in a worker before its tests;
 * :mod:`~kit.grading.scoring` — tests and points, named by stage and handout problem;
 * :mod:`~kit.grading.reporting` — the score table and Gradescope's ``results.json``;
 * :mod:`~kit.grading.gradebook` — ``gradebook.csv`` and its histogram;
 * :mod:`~kit.grading.batch` — a folder of submissions, resumable after an interruption.
 
-The child process reports through :mod:`kit.grading_plugin`; the grader, not the child, computes the
-points. This package imports nothing at start-up, so the child can import its two modules cheaply.
+The child process (the judge) reports through :mod:`kit.grading.plugin`; the grader, not the child,
+computes the points. This package imports nothing at start-up, so the judge imports only what it uses.
 """

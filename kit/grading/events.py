@@ -1,6 +1,6 @@
 """The child's grading log: signed JSON lines, read as they are written, folded into what the run did.
 
-:mod:`kit.grading_plugin` appends one line per event, each with a sequence number and an HMAC under a
+:mod:`kit.grading.plugin` (the judge) appends one line per event, each with a sequence number and an HMAC under a
 key only the grader knows. Events, in the order a run writes them:
 
 * ``collected`` — every graded test (``nodeid``, ``stage``, ``points``, ``hidden``, ``doc``);
@@ -13,13 +13,20 @@ key only the grader knows. Events, in the order a run writes them:
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kit.grading_plugin import signer
+
+def signer(key: bytes):
+    """HMAC-SHA256 over the event's canonical JSON; an empty key signs nothing (local runs)."""
+    def sign(event: dict) -> str:
+        body = json.dumps(event, sort_keys=True).encode()
+        return hmac.new(key, body, hashlib.sha256).hexdigest() if key else ""
+    return sign
 
 
 class SignedLog:

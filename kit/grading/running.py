@@ -110,7 +110,7 @@ class SuiteRun:
         return [sys.executable, "-m", "kit.sandbox", f"--memory-gb={lim.memory_gb or 0}",
                 f"--file-gb={lim.file_gb or 0}", f"--grader-pid={os.getpid()}", f"--leftovers-file={leftovers}", "--",
                 sys.executable, "-m", "pytest", *targets, "-q", "-p", "kit", "-p", "no:cacheprovider",
-                "-p", "kit.grading_plugin", f"--grading-log={log}", f"--per-test-timeout={lim.per_test_timeout}",
+                "-p", "kit.grading.plugin", f"--grading-log={log}", f"--per-test-timeout={lim.per_test_timeout}",
                 f"--timing-factor={lim.timing_factor}", f"--timing-floor={lim.timing_floor}",
                 f"--import-timeout={lim.import_timeout}", f"--failed-imports={failed_imports}",
                 f"--impl={self.impl}", *self.selection, "-o", "addopts=", "--tb=short"]

@@ -30,7 +30,8 @@ class TestResult:
     output: str = ""
     doc: str = ""
     problem: str = ""  # handout problem number, e.g. "3.7"; "" when no problem names the test
-    durations: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])  # setup, call, teardown (s)
+    # wall seconds of setup, call, teardown; then the CPU seconds its workers used in setup and call
+    durations: list[float] = field(default_factory=lambda: [0.0] * 5)
     title: str = ""  # unique readable name, set by score()
 
     @property
@@ -104,7 +105,8 @@ def score(record: RunRecord, problems: dict[tuple[int, str], str]) -> list[TestR
         t = TestResult(info["nodeid"], info["stage"], info["points"], info["hidden"], doc=info.get("doc", ""))
         t.problem = problems.get((t.stage, t.function), "")
         phases = record.reports.get(t.nodeid, {})
-        t.durations = [float(phases.get(w, {}).get("duration", 0.0)) for w in PHASES]
+        t.durations = ([float(phases.get(w, {}).get("duration", 0.0)) for w in PHASES]
+                       + [float(phases.get(w, {}).get("cpu", 0.0)) for w in PHASES[:2]])
         if all(phases.get(w, {}).get("outcome") == "passed" for w in PHASES):
             t.status, t.score = "passed", t.points
         else:

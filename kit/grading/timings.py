@@ -1,20 +1,22 @@
-"""Per-test time limits derived from each test's own reference duration.
+"""Per-test limits derived from each test's own reference run: CPU seconds, not the wall clock.
 
-``make timings`` (``python -m kit grade --impl reference --hidden --record-timings``) writes the
-reference's setup, call and teardown seconds of every graded test to ``tests/timings.json`` (hidden
-tests to ``tests/hidden/timings.json``, which never ships). A graded test then gets
+``make timings`` (``python -m kit grade --impl reference --hidden --record-timings``) writes, for every
+graded test, the reference's wall seconds of setup, call and teardown and the **CPU seconds its workers
+used** in setup and call, to ``tests/timings.json`` (hidden tests to ``tests/hidden/timings.json``,
+which never ships): ``[setup, call, teardown, cpu_setup, cpu_call]``. A graded test then gets
 
-    run limit      = min(cap, max(floor, factor × (largest setup in its file + its own call)))
-    teardown limit = min(cap, max(floor, factor × largest teardown in its file))
+    CPU budget  = max(floor, factor × (largest CPU setup in its file + its own CPU call))
+    idle limit  = IDLE seconds in which its workers use no CPU at all (kit.spawn.watch)
+    wall limit  = cap (``--per-test-timeout``): the last resort
 
-seconds, where ``cap`` is ``--per-test-timeout`` (also the limit of tests with no recorded time). The
-largest setup in the file, not the test's own: module-scoped fixtures (one spawn of every rank for a
-whole file) charge their time to whichever test of the file uses them first, and after a crash the
-resumed run starts in the middle of a file. For the same reason the first test a process runs from a
-file may also take the file's longest setup + call: shared work cached in a module variable is paid
-by whichever test gets there first. The defaults, ``factor`` 6 and ``floor`` 10 s, leave room for a
-2-core machine under load, where a test can be 3× slower than when its time was recorded, so a stuck
-test costs seconds to a minute instead of the cap.
+The CPU budget is what tells a hang from a slow machine (:mod:`kit.spawn.watch`): a busy machine slows a
+test's wall clock, not the CPU its workers need, so a correct test never meets it, and a spinning one meets
+it after the same CPU time anywhere. A blocked one (a collective nobody joins) uses no CPU and meets the
+idle limit. The largest setup in the file, not the test's own: module-scoped fixtures (one spawn of every
+rank for a whole file) charge their work to whichever test of the file uses them first, and after a crash
+the resumed run starts in the middle of a file. For the same reason the first test a process runs from a
+file may take the file's longest setup + call. ``factor`` 6 and ``floor`` 10 CPU-seconds leave room for a
+slower processor than the one that recorded the times.
 
 This module is imported by the test process too (through the grading plugin): standard library only.
 """
@@ -31,12 +33,15 @@ from pathlib import Path
 FILES = ("tests/timings.json", "tests/hidden/timings.json")
 FACTOR = 6.0
 FLOOR = 10.0
+IDLE = 30.0  # seconds without any CPU in a test's workers: blocked for good (kit.spawn.watch)
 
 
 @dataclass(frozen=True)
 class Budget:
-    """Seconds a test may take: ``run`` for setup and call together, ``teardown`` for its teardown."""
+    """A test's limits: ``cpu`` seconds of its workers' CPU in setup and call, ``run`` seconds of wall clock
+    for setup and call together, ``teardown`` seconds of wall clock for its teardown."""
 
+    cpu: float
     run: float
     teardown: float
 
@@ -46,7 +51,8 @@ class Budget:
 
 
 def load(root: Path) -> dict[str, list[float]]:
-    """``{nodeid: [setup, call, teardown]}`` from every timings file under ``root`` (missing files: none)."""
+    """``{nodeid: [setup, call, teardown, cpu_setup, cpu_call]}`` from every timings file under ``root``
+    (missing files: none; entries recorded before CPU was: no CPU figures)."""
     timings: dict[str, list[float]] = {}
     for name in FILES:
         path = root / name
@@ -60,33 +66,30 @@ class Limits:
 
     def __init__(self, timings: dict[str, list[float]], *, cap: float, factor: float = FACTOR,
                  floor: float = FLOOR):
-        self.timings, self.cap, self.factor, self.floor = timings, cap, factor, floor
-        self.file_setup: dict[str, float] = {}
-        self.file_run: dict[str, float] = {}  # longest setup + call
-        self.file_teardown: dict[str, float] = {}
-        for nodeid, (setup, call, teardown) in timings.items():
+        self.timings = {k: v for k, v in timings.items() if len(v) >= 5}
+        self.cap, self.factor, self.floor = cap, factor, floor
+        self.file_setup: dict[str, float] = {}  # largest CPU setup
+        self.file_run: dict[str, float] = {}  # largest CPU setup + call
+        for nodeid, (*_, cpu_setup, cpu_call) in self.timings.items():
             f = nodeid.split("::")[0]
-            self.file_setup[f] = max(self.file_setup.get(f, 0.0), setup)
-            self.file_run[f] = max(self.file_run.get(f, 0.0), setup + call)
-            self.file_teardown[f] = max(self.file_teardown.get(f, 0.0), teardown)
-
-    def _limit(self, seconds: float) -> float:
-        return min(self.cap, max(self.floor, self.factor * seconds))
+            self.file_setup[f] = max(self.file_setup.get(f, 0.0), cpu_setup)
+            self.file_run[f] = max(self.file_run.get(f, 0.0), cpu_setup + cpu_call)
 
     def budget(self, nodeid: str, *, first_in_file: bool = False) -> Budget:
         """The test's budget; ``first_in_file``: no test of its file has run yet in this process."""
         if nodeid not in self.timings:
-            return Budget(self.cap, self.cap)
+            return Budget(float("inf"), self.cap, self.cap)
         f = nodeid.split("::")[0]
-        run = self.file_setup[f] + self.timings[nodeid][1]
-        return Budget(self._limit(max(run, self.file_run[f]) if first_in_file else run),
-                      self._limit(self.file_teardown[f]))
+        cpu = self.file_setup[f] + self.timings[nodeid][4]
+        cpu = max(cpu, self.file_run[f]) if first_in_file else cpu
+        return Budget(max(self.floor, self.factor * cpu), self.cap, self.cap)
 
 
 def _write(path: Path, tests: dict[str, list[float]], command: str) -> None:
     header = {
-        "about": "Reference seconds of each graded test's [setup, call, teardown]; the grader derives per-test "
-                 "time limits from them (kit/grading/timings.py). Regenerate with `make timings`.",
+        "about": "Reference seconds of each graded test: wall [setup, call, teardown], then the CPU its workers "
+                 "used [setup, call]; the grader derives per-test CPU budgets from them (kit/grading/timings.py). "
+                 "Regenerate with `make timings`.",
         "recorded": {"machine": f"{os.cpu_count()} cores, {platform.machine()}, {platform.system()}",
                      "date": time.strftime("%Y-%m-%d"), "command": command},
     }
@@ -107,7 +110,7 @@ def record(durations: dict[str, list[float]], root: Path, command: str) -> list[
     for name in FILES:
         path = root / name
         folder = Path(name).parent.as_posix() + "/"
-        mine = {k: [round(x, 2) for x in v] for k, v in durations.items()
+        mine = {k: [round(x, 3) for x in v] for k, v in durations.items()
                 if k.startswith(folder) and "/" not in k[len(folder):].split("::")[0]}
         if not mine:
             continue

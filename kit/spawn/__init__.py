@@ -2,37 +2,40 @@
 
     results = run_on_ranks(my_fn, world_size=2, args=(x,), timeout=60)
 
-Each rank is a fresh process (``spawn``), joined into one ``torch.distributed`` process group:
+Each rank is a worker process joined into one ``torch.distributed`` process group:
 
+* **Warm, not fresh.** Ranks are forked from a zygote that imported torch once (:mod:`kit.spawn.zygote`),
+  so 8 ranks start in a fraction of a second instead of importing torch 8 times. Each rank is still its
+  own process: a rank's state never leaks into the next spawn.
 * **No ports to collide.** Ranks meet through a ``FileStore`` in a private temporary folder; gloo then
   connects them over loopback on ports the operating system picks. Two test runs side by side never race.
 * **gloo on CPU, NCCL on GPU.** ``backend=None`` picks NCCL when there are at least ``world_size``
   CUDA devices, else gloo on CPU.
 * **One thread per rank.** ``torch.set_num_threads(1)``: N ranks on a 2-core laptop would otherwise
   oversubscribe the cores many times over.
+* **Data back, never objects.** A rank's return value travels as data (:mod:`kit.spawn.wire`: tensors,
+  numbers, strings, and lists, tuples and dicts of them) and is read without running any code it carries.
 * **Nothing hangs, nothing is orphaned.** If a rank raises, the others are stopped and
   :class:`RankFailedError` starts with that rank's own message. A rank that dies without a word (gloo
   aborts the process on a collective mismatch) is reported with the last lines it wrote to stderr, where
-  gloo explains. If the ranks run past ``timeout`` seconds, each live rank's Python stack is dumped
-  (faulthandler), the ranks are killed and :class:`RankTimeoutError` says where each was stuck. On Linux
-  a rank also dies with its parent.
+  gloo explains. A spawn that stops making progress (no CPU used for a while: a collective no peer joined),
+  runs past the current test's CPU budget, or past ``timeout`` seconds of wall clock has each live rank's
+  Python stack dumped, its ranks killed, and :class:`RankTimeoutError` says where each was stuck
+  (:mod:`kit.spawn.watch`: limits a busy machine does not trip).
 
-``fn`` must be importable by name (a module-level function) and its arguments and return value picklable;
-return CPU tensors or plain Python values. Inside ``fn``, use ``torch.distributed`` as usual and
-:func:`rank_device` for the rank's device.
+``fn`` must be importable by name (a module-level function); its arguments are pickled into the ranks.
+Inside ``fn``, use ``torch.distributed`` as usual and :func:`rank_device` for the rank's device.
 """
 
 from __future__ import annotations
 
-import pickle
-import tempfile
 from collections.abc import Callable
 from typing import Any
 
 from kit import validate
 
-from .messages import failure_message, silent_death, timeout_message
-from .parent import Ranks, collect
+from .messages import errors_of, failure_message
+from .parent import limit_message, spawn
 from .rank import default_backend, init_distributed, rank_device
 
 __all__ = [
@@ -60,7 +63,7 @@ class RankFailedError(RuntimeError):
 
 
 class RankTimeoutError(RuntimeError):
-    """The ranks ran past the timeout; the message says where each live rank was stuck."""
+    """The ranks hung or ran away (see the module docstring); the message says where each live rank was."""
 
 
 def run_on_ranks(
@@ -77,34 +80,30 @@ def run_on_ranks(
     Args:
         fn: a module-level function (it is pickled by name into each rank).
         world_size: number of ranks, at least 1.
-        timeout: seconds for the whole run, start-up included (each rank imports torch: ~1 s per rank
-            on a 2-core machine). Past it, hung ranks are killed and :class:`RankTimeoutError` raised.
+        timeout: seconds of wall clock for the whole run, the last resort: a spawn that blocks is stopped
+            sooner, when it has used no CPU for a while.
         backend: ``"gloo"``, ``"nccl"`` or ``None`` (NCCL when there are enough GPUs, else gloo).
 
     Raises:
         RankFailedError: a rank raised or died; the message starts with the first failing rank's error.
-        RankTimeoutError: the ranks did not finish in time; the message has their stacks.
+        RankTimeoutError: the ranks hung or ran away; the message has their stacks.
     """
     validate.callable_arg("fn", fn)
     validate.positive_int("world_size", world_size)
     validate.positive_number("timeout", timeout)
     backend = validate.choice("backend", backend or default_backend(world_size), ("gloo", "nccl"))
+    outcome = spawn(fn, world_size, backend, tuple(args), dict(kwargs or {}), timeout)
+    raise_for(outcome, world_size, timeout)
+    return [outcome.finals[r].get("value") for r in range(world_size)]
 
-    with tempfile.TemporaryDirectory(prefix="kit-ranks-") as folder:
-        ranks = Ranks(fn, world_size, backend, folder, args, kwargs or {}, timeout)
-        try:
-            ranks.start()
-            collect(ranks, timeout)
-            # A rank that died without reporting caused whatever its peers then reported, so it leads.
-            errors = {**{r: silent_death(ranks, r) for r in ranks.silent()}, **ranks.errors}
-            if errors:
-                error = RankFailedError(failure_message(world_size, errors))
-                error.rank, report = next(iter(errors.items()))
-                error.error_type = report["type"]
-                raise error
-            missing = [r for r in range(world_size) if r not in ranks.values]
-            if missing:
-                raise RankTimeoutError(timeout_message(world_size, timeout, ranks.dump_stacks(missing)))
-        finally:
-            ranks.stop()
-    return [pickle.loads(ranks.values[r]) for r in range(world_size)]
+
+def raise_for(outcome: Any, world_size: int, timeout: float) -> None:
+    """Raise :class:`RankFailedError` or :class:`RankTimeoutError` for a spawn that did not fully succeed."""
+    errors = errors_of(outcome)
+    if errors:
+        error = RankFailedError(failure_message(world_size, errors))
+        error.rank, report = next(iter(errors.items()))
+        error.error_type = str(report.get("type"))
+        raise error
+    if outcome.limit:
+        raise RankTimeoutError(limit_message(outcome, f"ranks {sorted(outcome.stacks)} of {world_size}", timeout))

@@ -1,117 +1,435 @@
-"""The parent's side of a run: start the ranks, forward their stderr, collect their reports, dump stacks."""
+"""The judge's side of its workers: the zygote, the persistent worker, spawns of ranks, and their limits.
+
+Everything here runs in the process that decides (pytest, a notebook, a benchmark) and never runs a
+submission's code: workers do (:mod:`kit.spawn.worker`), forked from a warm zygote (:mod:`kit.spawn.zygote`).
+What comes back is data (:mod:`kit.spawn.wire`). A request — one call in the persistent worker, or one
+spawn of N ranks — ends in one of four ways: every process answered; one failed (its report, and the
+others' for a moment more); one died without a word (its exit status and last stderr lines); or a limit
+ran out (:mod:`kit.spawn.watch`: CPU budget, idle limit, wall clock), in which case each live process's
+Python stack is dumped before it is killed, so the message says where it was stuck.
+"""
 
 from __future__ import annotations
 
-import multiprocessing as mp
+import atexit
+import io
 import os
-import queue
+import pickle
+import shutil
 import signal
+import sys
+import tempfile
+import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from multiprocessing.connection import wait
 from pathlib import Path
+from types import FunctionType
+from typing import Any
 
-from .rank import rank_main
+from . import wire
+from .confine import Rules
+from .watch import TreeWatch
+from .zygote import Child, Zygote
 
 __tracebackhide__ = True  # pytest: the kit's plumbing is not part of a student's traceback
 
-POLL_S = 0.2  # how often the parent looks at the ranks while it waits
-GRACE_S = 1.0  # after a first error, how long the other ranks get to report theirs
+POLL_S = 0.2  # how often the judge reads the workers' CPU while it waits for them
+GRACE_S = 1.0  # after a first failure, how long the other ranks get to report theirs
+IDLE_DEFAULT_S = 30.0  # no CPU used at all for this long, unfinished: a hang (see kit.spawn.watch)
 
 
-class Ranks:
-    """The rank processes of one run, their report queue and their files (store, stderr, stacks)."""
+# ----------------------------------------------------------------------------------------------------
+# Limits of the test in progress (the grading plugin sets them per test; defaults elsewhere)
+# ----------------------------------------------------------------------------------------------------
 
-    def __init__(self, fn, world_size, backend, folder, args, kwargs, timeout) -> None:
-        ctx = mp.get_context("spawn")
-        self.folder = folder
-        self.queue = ctx.Queue()
-        self.procs = [
-            ctx.Process(target=rank_main, name=f"rank{r}", daemon=True,
-                        args=(fn, r, world_size, backend, folder, args, kwargs, self.queue, timeout))
-            for r in range(world_size)
-        ]
-        self.values: dict[int, bytes] = {}
-        self.errors: dict[int, dict[str, str]] = {}  # in order of arrival: the first is the cause
-        self._forwarded = [0] * world_size
 
-    def start(self) -> None:
-        for p in self.procs:
-            p.start()
+@dataclass
+class Allowance:
+    """What the workers of the current test may still use: ``cpu`` seconds of CPU in all, ``idle`` seconds
+    without any at a stretch, ``wall`` seconds of wall clock from now; ``spent`` counts the CPU they used
+    (``make timings`` records it)."""
 
-    def reported(self) -> int:
-        return len(self.values) + len(self.errors)
+    cpu: float = float("inf")
+    idle: float = IDLE_DEFAULT_S
+    wall: float = float("inf")
+    spent: float = 0.0
+    started: float = field(default_factory=time.monotonic)
 
-    def receive(self, timeout: float) -> bool:
-        """Wait up to ``timeout`` s for one report; False if none came."""
-        self.forward_stderr()
+    def wall_left(self) -> float:
+        return self.wall - (time.monotonic() - self.started)
+
+
+_allowance = Allowance()
+
+
+def allowance() -> Allowance:
+    return _allowance
+
+
+def set_allowance(value: Allowance) -> Allowance:
+    """Make ``value`` the current test's allowance; returns the previous one."""
+    global _allowance
+    previous, _allowance = _allowance, value
+    return previous
+
+
+class LimitExceeded(RuntimeError):
+    """A worker hung or ran away and was killed; the message says which limit and where it was."""
+
+
+# ----------------------------------------------------------------------------------------------------
+# The zygote and the persistent worker of this process
+# ----------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Workers:
+    rules: Rules | None = None
+    scratch: dict[bool, Path] = field(default_factory=dict)  # trusted? → its zygote's scratch folder
+    zygotes: dict[bool, Zygote] = field(default_factory=dict)  # trusted? → the zygote
+    worker: Child | None = None
+    unavailable: dict[str, str] = field(default_factory=dict)  # module → why it cannot be imported
+    lock: threading.RLock = field(default_factory=threading.RLock)
+
+
+_workers = _Workers()
+
+
+def confine_workers(rules: Rules | None) -> None:
+    """Confine every worker started from now on (the grader does; a running zygote is replaced)."""
+    with _workers.lock:
+        _workers.rules = rules
+        shutdown()
+
+
+def confinement() -> str:
+    """In words, how this process's workers are confined (starts the zygote if it is not running)."""
+    return _zygote().confinement
+
+
+def mark_unavailable(modules: dict[str, str]) -> None:
+    """Make importing these modules fail at once with the given reason, in every worker from now on."""
+    with _workers.lock:
+        _workers.unavailable.update(modules)
+        worker = _workers.worker
+    if worker is not None:
+        _ask(worker, {"op": "unavailable", "modules": modules})
+
+
+def _scratch(trusted: bool = False) -> Path:
+    folder = _workers.scratch.get(trusted)
+    if folder is None or not folder.exists():
+        folder = _workers.scratch[trusted] = Path(tempfile.mkdtemp(prefix="kit-reference-" if trusted else
+                                                                    "kit-workers-"))
+    return folder
+
+
+def _zygote(trusted: bool = False) -> Zygote:
+    """The zygote of the workers that run the implementation, or (``trusted``) of the reference ranks, which
+    never load it: a distributed reference (torch's DDP, ``fully_shard``) computed by the judge's own code,
+    out of reach of the submission's processes (another scratch folder, another confinement domain)."""
+    with _workers.lock:
+        zygote = _workers.zygotes.get(trusted)
+        if zygote is None or not zygote.alive():
+            scratch = _scratch(trusted)
+            (scratch / "home").mkdir(exist_ok=True)
+            env = {k: v for k, v in os.environ.items() if k != "KIT_GRADING_KEY"}
+            env.update(HOME=str(scratch / "home"), TMPDIR=str(scratch), PYTHONDONTWRITEBYTECODE="1")
+            if trusted:
+                env["KIT_NO_IMPLEMENTATION"] = "1"
+            rules = _workers.rules
+            if rules is not None and not trusted:
+                rules = Rules(read=rules.read, list_only=rules.list_only, write=[*rules.write, str(scratch)])
+            zygote = _workers.zygotes[trusted] = Zygote(scratch, None if trusted else rules, env)
+        return zygote
+
+
+def shutdown() -> None:
+    """Stop the persistent worker and the zygotes (a later request starts new ones)."""
+    with _workers.lock:
+        if _workers.worker is not None:
+            _kill([_workers.worker])
+            _workers.worker = None
+        for zygote in _workers.zygotes.values():
+            zygote.close()
+        _workers.zygotes.clear()
+        for folder in _workers.scratch.values():
+            shutil.rmtree(folder, ignore_errors=True)
+        _workers.scratch.clear()
+
+
+atexit.register(shutdown)
+
+
+def _fork(name: str, trusted: bool = False) -> Child:
+    child = _zygote(trusted).fork({}, Path.cwd(), name)
+    if _workers.unavailable:
+        _ask(child, {"op": "unavailable", "modules": dict(_workers.unavailable)})
+    return child
+
+
+class _Pickler(pickle.Pickler):
+    """Pickles functions and classes of the judge's ``__main__`` (a benchmark run with ``python -m``, a
+    script) by where they can be imported from, since a worker's ``__main__`` is another module."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, type | FunctionType) and getattr(obj, "__module__", None) == "__main__":
+            from .worker import from_main
+
+            main = sys.modules["__main__"]
+            spec = getattr(main, "__spec__", None)
+            name = spec.name if spec is not None and spec.name != "__main__" else None
+            return from_main, (name, getattr(main, "__file__", None),
+                               obj.__qualname__)
+        return NotImplemented
+
+
+def _ask(child: Child, request: dict) -> None:
+    buffer = io.BytesIO()
+    _Pickler(buffer).dump({**request, "sys_path": [p for p in sys.path if p]})
+    child.conn.send_bytes(buffer.getvalue())
+    if request["op"] == "unavailable":
+        child.conn.recv_bytes(wire.MAX_BYTES)  # its acknowledgement
+
+
+def _kill(children: list[Child]) -> None:
+    for child in children:
         try:
-            rank, status, payload = self.queue.get(timeout=max(timeout, 0.01))
-        except queue.Empty:
-            return False
-        (self.values if status == "ok" else self.errors)[rank] = payload
-        return True
-
-    def drain(self, seconds: float) -> None:
-        """Take the reports that arrive within ``seconds``, stopping early once every rank has reported."""
-        until = time.monotonic() + seconds
-        while self.reported() < len(self.procs) and time.monotonic() < until:
-            self.receive(min(POLL_S, until - time.monotonic()))
-
-    def silent(self) -> list[int]:
-        """Ranks that exited abnormally without reporting (os._exit, a signal, gloo's abort, the OOM killer)."""
-        return [r for r, p in enumerate(self.procs)
-                if r not in self.values and r not in self.errors and not p.is_alive() and p.exitcode not in (0, None)]
-
-    def forward_stderr(self) -> None:
-        # What the ranks write to stderr reaches the parent's stderr (pytest's captured stderr) as it grows.
-        for r in range(len(self.procs)):
-            path = Path(self.folder) / f"stderr-{r}"
-            if path.exists() and path.stat().st_size > self._forwarded[r]:
-                with open(path, "rb") as f:
-                    f.seek(self._forwarded[r])
-                    data = f.read()
-                self._forwarded[r] += len(data)
-                os.write(2, data)
-
-    def stderr_tail(self, rank: int, lines: int = 8) -> list[str]:
-        path = Path(self.folder) / f"stderr-{rank}"
-        text = path.read_text(errors="replace") if path.exists() else ""
-        return [line for line in text.splitlines() if line.strip()][-lines:]
-
-    def dump_stacks(self, ranks: list[int]) -> dict[int, str]:
-        """Each live rank's Python stack (innermost call first), through the faulthandler it registered."""
-        for r in ranks:
-            if self.procs[r].is_alive() and self.procs[r].pid is not None:
-                os.kill(self.procs[r].pid, signal.SIGUSR1)
-        time.sleep(0.5)
-        stacks = {}
-        for r in ranks:
-            path = Path(self.folder) / f"stack-{r}"
-            stacks[r] = path.read_text().strip() if path.exists() else ""
-        return stacks
-
-    def stop(self) -> None:
-        self.forward_stderr()
-        for p in self.procs:
-            if p.is_alive():
-                p.terminate()
-        deadline = time.monotonic() + 3
-        for p in self.procs:
-            p.join(max(0.0, deadline - time.monotonic()))
-            if p.is_alive():
-                p.kill()
-                p.join(1)
-        self.queue.close()
+            child.conn.close()
+        except OSError:
+            pass
+        if child.is_live_child():
+            for pid in TreeWatch([child.pid]).pids():
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
 
 
-def collect(ranks: Ranks, timeout: float) -> None:
-    """Wait for every rank's report; stop early at the first error or a rank that died without one."""
-    deadline = time.monotonic() + timeout
-    while ranks.reported() < len(ranks.procs) and time.monotonic() < deadline:
-        if ranks.receive(min(POLL_S, deadline - time.monotonic())):
-            if ranks.errors:
-                ranks.drain(GRACE_S)  # the others' errors, usually consequences, for the message
-                return
-        elif ranks.silent():
-            ranks.drain(POLL_S)  # a report may still be in the pipe
-            return
-    time.sleep(0.1)  # a rank that just died: let is_alive() see it
+# ----------------------------------------------------------------------------------------------------
+# One request: send, collect answers, enforce the limits
+# ----------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Outcome:
+    """What the processes of one request said: per process its final answer (``{"ok", "value"|"failure"}``),
+    the checks it reported on the way (``{name: (ok, value or failure)}``), and how the request ended."""
+
+    n: int
+    finals: dict[int, dict] = field(default_factory=dict)
+    checks: list[dict[str, tuple[bool, Any]]] = field(default_factory=list)
+    died: dict[int, int | None] = field(default_factory=dict)  # process → exit code, for those without an answer
+    errors_first: list[int] = field(default_factory=list)  # processes whose answer was a failure, in order
+    limit: str = ""  # "", or what ran out: "cpu", "idle", "wall"
+    stacks: dict[int, str] = field(default_factory=dict)
+    stderr: dict[int, list[str]] = field(default_factory=dict)
+    cpu: float = 0.0
+    seconds: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.checks = [{} for _ in range(self.n)]
+
+
+def _forward(child: Child, offsets: dict[Path, int]) -> None:
+    """What a worker wrote to stdout and stderr reaches ours (pytest captures it per test) as it grows."""
+    for path, fd in ((child.stdout, 1), (child.stderr, 2)):
+        try:
+            size = path.stat().st_size
+        except OSError:
+            continue
+        if size > offsets.get(path, 0):
+            with open(path, "rb") as f:
+                f.seek(offsets.get(path, 0))
+                data = f.read(size - offsets.get(path, 0))
+            offsets[path] = offsets.get(path, 0) + len(data)
+            os.write(fd, data)
+
+
+def stderr_tail(child: Child, lines: int = 8) -> list[str]:
+    try:
+        text = child.stderr.read_text(errors="replace")
+    except OSError:
+        return []
+    return [line for line in text.splitlines() if line.strip()][-lines:]
+
+
+def _dump_stacks(children: list[Child], which: list[int]) -> dict[int, str]:
+    """Each live process's Python stack (innermost call first), through the faulthandler it registered."""
+    for r in which:
+        if children[r].is_live_child():
+            try:
+                os.kill(children[r].pid, signal.SIGUSR1)
+            except OSError:
+                pass
+    time.sleep(0.5)
+    stacks = {}
+    for r in which:
+        path = children[r].stacks
+        try:
+            stacks[r] = path.read_text(errors="replace").strip()
+        except OSError:
+            stacks[r] = ""
+    return stacks
+
+
+def _exit_code(child: Child) -> int | None:
+    zygote = next((z for z in _workers.zygotes.values() if z.process.pid == child.zygote_pid), None)
+    deadline = time.monotonic() + 1.0
+    while zygote is not None and time.monotonic() < deadline:
+        zygote.poll_exits()
+        if child.pid in zygote.exit_codes:
+            return zygote.exit_codes[child.pid]
+        time.sleep(0.02)
+    return None
+
+
+def _decode(data: bytes) -> dict:
+    try:
+        message = wire.decode(data)
+    except Exception as exc:  # noqa: BLE001 — anything a worker sends that is not data is its failure
+        return {"ok": False, "failure": {"type": "NotData", "kind": "error", "traceback": "",
+                                         "message": f"the worker sent something that is not data: {exc}"}}
+    return message if isinstance(message, dict) else {"ok": False, "failure": {
+        "type": "NotData", "kind": "error", "traceback": "", "message": "the worker sent a message that is not a dict"}}
+
+
+def collect(children: list[Child], *, timeout: float, stop_early: bool = True) -> Outcome:
+    """Wait for one final answer from each child, within the current test's limits and ``timeout``."""
+    outcome = Outcome(len(children))
+    pending = {child.conn: r for r, child in enumerate(children)}
+    watch = TreeWatch([c.pid for c in children])
+    budget = _allowance
+    offsets: dict[Path, int] = {}
+    stop_at = None
+    while pending:
+        for conn in wait(list(pending), timeout=POLL_S):
+            r = pending[conn]
+            try:
+                message = _decode(conn.recv_bytes(wire.MAX_BYTES))
+            except (EOFError, OSError):
+                del pending[conn]
+                outcome.died[r] = None
+                continue
+            if "check" in message:  # a check finished inside a rank: keep it whatever happens later
+                name = wire.field(message, "check", str, "?")
+                ok = message.get("ok") is True
+                outcome.checks[r][name] = (ok, message.get("value") if ok else message.get("failure"))
+                continue
+            outcome.finals[r] = message
+            del pending[conn]
+            if message.get("ok") is not True:
+                outcome.errors_first.append(r)
+        for child in children:
+            _forward(child, offsets)
+        outcome.cpu = watch.sample()
+        now = time.monotonic()
+        if stop_early and stop_at is None and (outcome.errors_first or outcome.died) and pending:
+            stop_at = now + GRACE_S  # the others' failures, usually consequences, for the message
+        if stop_at is not None and now >= stop_at:
+            break
+        if pending:
+            if budget.spent + outcome.cpu > budget.cpu:
+                outcome.limit = "cpu"
+            elif watch.idle_for() > budget.idle:
+                outcome.limit = "idle"
+            elif watch.wall() > timeout or budget.wall_left() <= 0:
+                outcome.limit = "wall"
+            if outcome.limit:
+                outcome.stacks = _dump_stacks(children, sorted(pending.values()))
+                break
+    outcome.seconds = watch.wall()
+    budget.spent += outcome.cpu
+    for r in outcome.died:
+        outcome.died[r] = _exit_code(children[r])
+        outcome.stderr[r] = stderr_tail(children[r])
+    for child in children:
+        _forward(child, offsets)
+    return outcome
+
+
+# ----------------------------------------------------------------------------------------------------
+# The two kinds of request
+# ----------------------------------------------------------------------------------------------------
+
+
+def spawn(fn: Callable[..., Any], world_size: int, backend: str, args: tuple, kwargs: dict,
+          timeout: float, *, trusted: bool = False) -> Outcome:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` fresh ranks joined in one process group (``trusted``:
+    reference ranks, which cannot load the implementation; see :func:`_zygote`)."""
+    folder = Path(tempfile.mkdtemp(prefix="ranks-", dir=_scratch(trusted)))
+    children: list[Child] = []
+    try:
+        for rank in range(world_size):
+            children.append(_fork(f"rank{rank}", trusted))
+        for rank, child in enumerate(children):
+            _ask(child, {"op": "rank", "fn": fn, "args": args, "kwargs": kwargs, "rank": rank,
+                         "world_size": world_size, "backend": backend, "folder": str(folder), "timeout": timeout})
+        return collect(children, timeout=timeout)
+    finally:
+        _kill(children)
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def call(fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None, *, timeout: float = 600.0,
+         op: str = "call") -> Outcome:
+    """Run ``fn(*args, **kwargs)`` in this process's persistent worker (started on first use; replaced
+    after it hung, ran away or died)."""
+    with _workers.lock:
+        if _workers.worker is None:
+            _workers.worker = _fork("worker")
+        worker = _workers.worker
+        request = {"op": op, "name": fn} if op == "import" else {"op": op, "fn": fn, "args": args,
+                                                                   "kwargs": kwargs or {}}
+        try:
+            _ask(worker, request)
+        except OSError:  # it died since its last request: a fresh one
+            _kill([worker])
+            _workers.worker = worker = _fork("worker")
+            _ask(worker, request)
+        outcome = collect([worker], timeout=timeout)
+        if outcome.limit or outcome.died:
+            _kill([worker])
+            _workers.worker = None
+        return outcome
+
+
+def limit_message(outcome: Outcome, what: str, timeout: float) -> str:
+    """Why a request was stopped, where each process was, and what to look for."""
+    from .messages import innermost_own_frame
+
+    budget = _allowance
+    where = "; ".join(f"{'process' if outcome.n == 1 else 'rank'} {r} at {innermost_own_frame(s)}"
+                      for r, s in outcome.stacks.items())
+    if outcome.limit == "cpu":
+        why = (f"used {budget.spent:.1f} CPU-seconds, more than its budget of {budget.cpu:.1f} (several times what "
+               "the reference needs): an endless loop, or work far beyond what the test asks")
+    elif outcome.limit == "idle":
+        why = (f"used no CPU at all for {budget.idle:g} s without finishing: it is blocked — a collective that not "
+               "every rank joined (or joined with another size), a wait on something that never comes, a sleep")
+    else:
+        why = (f"did not finish within {timeout:g} s of wall-clock time although it kept working (the last resort, "
+               "far above a busy machine's needs)")
+    text = f"{what} {why}. Stopped at: {where or '(unknown)'}. Stacks, innermost call first:"
+    for r, stack in outcome.stacks.items():
+        lines = [line for line in stack.splitlines() if "<frozen importlib" not in line]
+        label = "process" if outcome.n == 1 else "rank"
+        text += f"\n--- {label} {r} ---\n" + ("\n".join(lines) or "(no stack: it had not started)")
+    return text
+
+
+def describe_exit(code: int | None) -> str:
+    if code is None:
+        return "exited"
+    if code > 128:
+        try:
+            return f"was killed by {signal.Signals(code - 128).name}"
+        except ValueError:
+            return f"was killed by signal {code - 128}"
+    return f"exited with code {code}"
+
+
+def platform_note() -> str:
+    return "" if sys.platform.startswith("linux") else " (no /proc here: only the wall clock limits workers)"

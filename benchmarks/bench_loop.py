@@ -1,0 +1,118 @@
+"""The feedback loop: how long a student, an instructor and CI wait for the kit's own commands.
+
+    python -m benchmarks.bench_loop                       # every row below, reference and stubs (~6 min, 2 cores)
+    python -m benchmarks.bench_loop --smoke               # the spawns and Stage 1 only (seconds)
+    python -m benchmarks.bench_loop --rows spawn stage3   # some rows
+    python -m benchmarks.bench_loop --impl reference --save   # the committed benchmarks/results/loop.* tables
+    make bench-loop                                        # the same as --impl reference --save
+
+Each row is one command, run from the repository root in a fresh process and timed on the wall clock
+(start-up included: that is what the person typing it waits for):
+
+* ``stageN``: one stage's public tests, ``pytest -q -m stageN`` on the chosen implementation;
+* ``grade``: the whole graded suite, ``python -m kit grade --impl reference``;
+* ``grade-stubs``: the generated stubs, ``python -m kit grade --impl student`` (every test fails);
+* ``grade-hidden``: the graded suite with the hidden tests, ``python -m kit grade --impl reference --hidden``;
+* ``spawn2``, ``spawn8``: ``kit.spawn.run_on_ranks`` of a function that does nothing, on 2 and 8 ranks.
+
+The goal column holds the goals of the fast-loop issue (a quiet 2-core machine); a row says whether it
+met its goal. The machine's load is in the stamp: numbers measured next to other work are slower.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import kit  # noqa: F401 — sets TRITON_INTERPRET before anything imports triton
+from kit import bench
+from kit import stages as registry
+
+ROOT = Path(__file__).resolve().parent.parent
+GOALS_S = {"stage": 15.0, "grade": 60.0, "grade-stubs": 20.0, "grade-hidden": 90.0}
+
+
+def _nothing() -> None:
+    """What the empty spawns run: the time is start-up, joining the group and tearing it down."""
+
+
+def _spawn_seconds(world: int) -> float:
+    from kit.spawn import run_on_ranks
+
+    start = time.perf_counter()
+    run_on_ranks(_nothing, world, timeout=300, backend="gloo")
+    return time.perf_counter() - start
+
+
+def _command_seconds(command: list[str], impl: str) -> tuple[float, int]:
+    env = {**os.environ, "LLMSYS_IMPL": impl}
+    start = time.perf_counter()
+    done = subprocess.run(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return time.perf_counter() - start, done.returncode
+
+
+def rows_to_run(names: list[str] | None, smoke: bool) -> list[str]:
+    every = [f"stage{s.number}" for s in registry.STAGES] + ["grade", "grade-stubs", "grade-hidden",
+                                                               "spawn2", "spawn8"]
+    if smoke:
+        return ["spawn2", "spawn8", "stage1"]
+    if not names:
+        return every
+    chosen = [r for r in every if any(r == n or (n == "spawn" and r.startswith("spawn"))
+                                      or (n == "stage" and r.startswith("stage")) for n in names)]
+    unknown = [n for n in names if n not in ("spawn", "stage") and n not in every]
+    if unknown:
+        raise SystemExit(f"--rows: unknown {unknown}; choose from {every} (or 'stage', 'spawn')")
+    return chosen
+
+
+def measure(row: str, impl: str) -> dict:
+    python = sys.executable
+    if row.startswith("spawn"):
+        world = int(row[5:])
+        return {"row": row, "command": f"run_on_ranks(nothing, {world})", "impl": "-",
+                "seconds": _spawn_seconds(world), "goal_s": None, "exit": 0}
+    if row.startswith("stage"):
+        command, goal, used = [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", row], GOALS_S["stage"], impl
+    elif row == "grade":
+        command, goal, used = [python, "-m", "kit", "grade", "--impl", impl], GOALS_S["grade"], impl
+    elif row == "grade-stubs":
+        command, goal, used = [python, "-m", "kit", "grade", "--impl", "student"], GOALS_S["grade-stubs"], "student"
+    else:
+        command, goal, used = [python, "-m", "kit", "grade", "--impl", impl, "--hidden"], GOALS_S["grade-hidden"], impl
+    seconds, code = _command_seconds(command, used)
+    shown = " ".join(["python" if c == python else c for c in command])
+    return {"row": row, "command": shown, "impl": used, "seconds": seconds, "goal_s": goal, "exit": code}
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    p = bench.parser(__doc__)
+    p.add_argument("--rows", nargs="+", default=None,
+                   help="rows to run: stage1 … stage6, grade, grade-stubs, grade-hidden, spawn2, spawn8; "
+                        "'stage' or 'spawn' for all of a kind (default: all)")
+    args = bench.parse(p, argv)
+    rows = []
+    for row in bench.progress(rows_to_run(args.rows, args.smoke), "commands", unit="command"):
+        result = measure(row, args.impl)
+        goal = result["goal_s"]
+        result["met"] = "" if goal is None else ("yes" if result["seconds"] <= goal else
+                                                 f"no (+{result['seconds'] - goal:.0f} s)")
+        rows.append(result)
+    bench.save("loop", rows, args, title="The feedback loop: wall seconds per command (start-up included)",
+               columns=["row", "command", "impl", "seconds", "goal_s", "met", "exit"])
+    fig, ax = bench.subplots(figsize=(8, 4))
+    ax.barh([r["row"] for r in rows], [r["seconds"] for r in rows], color="tab:blue")
+    for i, r in enumerate(rows):
+        if r["goal_s"] is not None:
+            ax.plot([r["goal_s"]] * 2, [i - 0.4, i + 0.4], color="tab:red")
+    ax.invert_yaxis()
+    ax.set(xlabel="seconds (wall clock)", title="Feedback loop (red: goal)")
+    bench.save_figure(fig, "loop", args)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

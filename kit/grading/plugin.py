@@ -1,0 +1,210 @@
+"""The judge: the pytest plugin of the graded process (``-p kit.grading.plugin --grading-log FILE``).
+
+The graded process runs pytest and decides every verdict, and it never imports, unpickles or calls the
+code under test: the tests hand named checks to worker processes and compare the data that comes back
+(:mod:`kit.checks`). This plugin makes that a property of the process, not a convention, and reports:
+
+* **no implementation here.** While grading, importing ``student`` or ``reference`` in this process fails
+  (a meta-path guard): a test that tried would be a kit bug, caught by the kit's own suite;
+* **workers confined.** Every worker is forked from a zygote confined with Landlock
+  (:mod:`kit.spawn.confine`): it reads the Python installation, the kit, the submission and the public
+  tests (and the worker halves of the hidden tests), writes only its scratch folder, and cannot signal or
+  trace this process, which is also made non-dumpable;
+* **limits that tell a hang from a slow machine.** Each test's workers get a CPU budget from the
+  reference's recorded CPU time and an idle limit (:mod:`kit.grading.timings`, :mod:`kit.spawn.watch`);
+  the wall clock (``--per-test-timeout``) is only the last resort;
+* **imports first.** Before any test, each stage's modules are imported once in a worker under
+  ``--import-timeout``; a stage whose code hangs or fails at import fails at once, with the reason, and
+  the others are graded as usual (:mod:`kit.grading.imports`).
+
+It appends one JSON line per event to the log, flushed at once, so the grader still knows what passed
+if this process dies halfway:
+
+* ``{"event": "collected", "tests": [...]}`` — every graded test with its points, stage and visibility;
+* ``{"event": "import" | "imported", "stage", "module", …}`` — the import checks;
+* ``{"event": "start", "nodeid", "limit"}`` — a test begins and may take ``limit`` seconds of wall clock;
+* ``{"event": "report", "nodeid", "when", "outcome", "longrepr", "duration", "cpu"}`` — each phase's result
+  (``cpu``: seconds of CPU its workers used);
+* ``{"event": "flag", "nodeid", "what"}`` — something a submission did that grading does not allow;
+* ``{"event": "finished"}`` — the session ended normally.
+
+Every event carries a sequence number and an HMAC under a key the grader passes in ``KIT_GRADING_KEY``,
+removed from the environment at once, so a line a worker appends to the log is detected and ignored.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import json
+import os
+import site
+import sys
+from pathlib import Path
+
+import pytest
+
+from kit import stages as registry
+from kit.grading import timings
+from kit.grading.events import signer
+from kit.spawn import parent as workers
+from kit.spawn.confine import Rules, keep_out_of_reach
+
+KEY_ENV = "KIT_GRADING_KEY"
+IMPLEMENTATIONS = ("student", "reference")
+
+
+class _State:
+    log = None
+    log_path: str | None = None
+    sign = staticmethod(signer(b""))
+    seq = 0
+    limits: timings.Limits | None = None
+    idle = timings.IDLE
+    files_started: set[str] = set()  # test files of which a test has begun in this process
+    import_timeout = 0.0
+    import_failures: dict[int, str] = {}
+    cpu_at_phase_start = 0.0
+
+
+class JudgeGuard(importlib.abc.MetaPathFinder):
+    """In the judge, the implementation packages cannot be imported: a verdict never rests on their code."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in IMPLEMENTATIONS:
+            raise ImportError(f"{name}: the grading process never imports the implementation; a test reaches it "
+                              "through a worker (kit.checks)", name=name)
+        return None
+
+
+def worker_rules(root: Path, impl: str) -> Rules:
+    """What a worker may read when grading ``impl`` in the tree ``root``: the Python installation, the kit,
+    the implementation, the public tests and the hidden tests' worker halves — never ``reference/`` (unless
+    it is what is graded), the judge's half of a hidden test, the grading log or anything else."""
+    python = {sys.prefix, sys.base_prefix, sys.exec_prefix, *site.getsitepackages(), site.getusersitepackages()}
+    python |= {p for p in sys.path if p and not Path(p).resolve().is_relative_to(root.resolve())}
+    python |= {str(Path(p).resolve()) for p in python if Path(p).exists()}
+    tests = root / "tests"
+    read = sorted(python) + [str(root / "kit"), str(root / impl), str(root / "pyproject.toml")]
+    read += [str(p) for p in sorted(tests.glob("*.py"))] + [str(p) for p in sorted(tests.glob("support"))]
+    read += [str(p) for p in sorted((tests / "hidden").glob("*_worker.py"))]
+    return Rules(read=read, list_only=[str(root), str(tests), str(tests / "hidden")])
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("kit grading")
+    group.addoption("--grading-log", default=None, help="append per-test grading events (JSON lines) here")
+    group.addoption("--per-test-timeout", type=float, default=0.0,
+                    help="most seconds of wall clock a test may take (0: none); hangs are caught sooner")
+    group.addoption("--timing-factor", type=float, default=timings.FACTOR,
+                    help="a test's CPU budget = factor × its reference CPU time…")
+    group.addoption("--timing-floor", type=float, default=timings.FLOOR, help="…but at least this many CPU-seconds")
+    group.addoption("--idle-limit", type=float, default=timings.IDLE,
+                    help="seconds a test's workers may use no CPU at all before they count as blocked")
+    group.addoption("--import-timeout", type=float, default=0.0,
+                    help="import each graded stage's modules first, failing the stage past this many seconds")
+    group.addoption("--failed-imports", default=None, help="JSON {stage: reason}: stages already known not to import")
+
+
+def _write(event: dict) -> None:
+    if _State.log is None:
+        return
+    event = {"seq": _State.seq, **event}
+    event["mac"] = _State.sign(event)
+    _State.seq += 1
+    _State.log.write(json.dumps(event) + "\n")
+    _State.log.flush()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    path = config.getoption("--grading-log")
+    key = os.environ.pop(KEY_ENV, "")  # gone before any worker is started
+    _State.sign = staticmethod(signer(key.encode()))
+    cap = config.getoption("--per-test-timeout") or 0.0
+    _State.limits = timings.Limits(timings.load(Path(config.rootpath)), cap=cap or float("inf"),
+                                   factor=config.getoption("--timing-factor"), floor=config.getoption("--timing-floor"))
+    _State.idle = config.getoption("--idle-limit")
+    _State.import_timeout = config.getoption("--import-timeout") or 0.0
+    known = config.getoption("--failed-imports")
+    if known:
+        _State.import_failures = {int(k): v for k, v in json.loads(Path(known).read_text()).items()}
+    if path:
+        _State.log_path = os.path.abspath(path)
+        _State.log = open(path, "a", encoding="utf-8")  # noqa: SIM115 — stays open for the whole session
+        from kit.impl import selected
+
+        sys.meta_path.insert(0, JudgeGuard())
+        keep_out_of_reach()
+        workers.confine_workers(worker_rules(Path(config.rootpath), selected()))
+
+
+def graded_info(item: pytest.Item) -> dict | None:
+    """Points, stage and visibility of a graded test, or None when the test is not graded."""
+    points = item.get_closest_marker("points")
+    if points is None:
+        return None
+    doc = (getattr(item, "obj", None).__doc__ or "").strip().split("\n")[0] if hasattr(item, "obj") else ""
+    return {
+        "nodeid": item.nodeid,
+        "points": float(points.args[0]),
+        "stage": registry.stage_of(item) or 0,
+        "hidden": item.get_closest_marker("hidden") is not None,
+        "doc": doc,
+    }
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    tests = [info for item in session.items if (info := graded_info(item)) is not None]
+    _write({"event": "collected", "tests": tests, "time": __import__("time").time(),
+            "confinement": workers.confinement() if _State.log is not None else ""})
+    if _State.import_timeout > 0 and _State.log is not None:
+        from kit.grading.imports import check_imports
+        from kit.impl import selected
+
+        check_imports(selected(), sorted({t["stage"] for t in tests}), _State.import_timeout,
+                      _State.import_failures, _write, Path(session.config.rootpath))
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    _write({"event": "finished", "exitstatus": int(exitstatus), "time": __import__("time").time()})
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item: pytest.Item):
+    file = item.nodeid.split("::")[0]
+    first_in_file = file not in _State.files_started
+    _State.files_started.add(file)
+    budget = _State.limits.budget(item.nodeid, first_in_file=first_in_file)
+    _write({"event": "start", "nodeid": item.nodeid, "limit": budget.total if budget.total < float("inf") else 0.0})
+    # Setup and call share one allowance: a module-scoped spawn in setup is the test's work too.
+    workers.set_allowance(workers.Allowance(cpu=budget.cpu, idle=_State.idle, wall=budget.run))
+    _State.cpu_at_phase_start = 0.0
+    stage = registry.stage_of(item)
+    why = _State.import_failures.get(stage or 0)
+    if why is not None:
+        pytest.fail(f"Stage {stage}'s code did not import, so none of its tests can run:\n{why}", pytrace=False)
+    return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem):
+    try:
+        return (yield)
+    finally:
+        workers.set_allowance(workers.Allowance(idle=_State.idle))
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    longrepr = ""
+    if report.failed or report.skipped:
+        longrepr = report.longreprtext if hasattr(report, "longreprtext") else str(report.longrepr)
+    spent = workers.allowance().spent
+    cpu, _State.cpu_at_phase_start = spent - _State.cpu_at_phase_start, spent
+    _write({
+        "event": "report",
+        "nodeid": report.nodeid,
+        "when": report.when,
+        "outcome": report.outcome,
+        "longrepr": longrepr[-20_000:],
+        "duration": report.duration,
+        "cpu": round(cpu, 3) if report.when != "teardown" else 0.0,
+    })

@@ -1,0 +1,105 @@
+"""Tell a hang from a slow machine: watch the CPU time of a worker's process tree, not the clock.
+
+A correct check on a busy machine is slow because its processes wait for a core: their CPU time still
+grows, only more slowly. A broken one either spins (its CPU time grows without end) or blocks forever (a
+collective no peer joins, a ``sleep``, a deadlock: its CPU time stops growing). So a check gets two limits
+that the machine's load does not move:
+
+* **CPU budget**: the CPU seconds its processes may use, a multiple of what the reference used (recorded in
+  ``tests/timings.json``); a spin reaches it in the same CPU time on a quiet or a busy machine;
+* **idle limit**: how long its processes may use *no* CPU at all while the check is unfinished. A process
+  waiting for a core is runnable and gets a slice within a fraction of a second, even at a load of 50;
+  only a blocked one makes no progress for many seconds.
+
+A wall-clock limit stays as the last resort (the caller's ``timeout``), far above both.
+
+Linux reads ``/proc``; elsewhere there is no CPU accounting of other processes and only the wall clock
+limits a check.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+
+__all__ = ["Budget", "TreeWatch"]
+
+_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+HAS_PROC = sys.platform.startswith("linux") and os.path.isdir("/proc/self")
+
+
+@dataclass
+class Budget:
+    """The limits of one request: ``cpu`` seconds of CPU, ``idle`` seconds without any, ``wall`` seconds."""
+
+    cpu: float = float("inf")
+    idle: float = float("inf")
+    wall: float = float("inf")
+
+
+def _stat(pid: int) -> tuple[int, str, float] | None:
+    """(parent pid, state, CPU seconds including reaped children) of a process, or None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    utime, stime, cutime, cstime = (int(x) for x in fields[11:15])
+    return int(fields[1]), fields[0], (utime + stime + cutime + cstime) / _TICK
+
+
+def _children_map() -> dict[int, list[int]]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            info = _stat(int(entry))
+            if info is not None:
+                children.setdefault(info[0], []).append(int(entry))
+    return children
+
+
+@dataclass
+class TreeWatch:
+    """CPU time and progress of the processes rooted at ``roots`` (and everything they start)."""
+
+    roots: list[int]
+    cpu_seen: dict[int, float] = field(default_factory=dict)  # last CPU time read per pid (gone ones keep it)
+    last_progress: float = field(default_factory=time.monotonic)
+    started: float = field(default_factory=time.monotonic)
+    _last_total: float = -1.0
+
+    def pids(self) -> list[int]:
+        """The roots and their live descendants."""
+        if not HAS_PROC:
+            return list(self.roots)
+        children = _children_map()
+        found, todo = [], list(self.roots)
+        while todo:
+            pid = todo.pop()
+            if pid in found:
+                continue
+            found.append(pid)
+            todo += children.get(pid, [])
+        return found
+
+    def sample(self) -> float:
+        """Read the tree now; return its CPU seconds so far (since the roots started)."""
+        if not HAS_PROC:
+            return 0.0
+        for pid in self.pids():
+            info = _stat(pid)
+            if info is not None and info[1] != "Z":
+                self.cpu_seen[pid] = max(self.cpu_seen.get(pid, 0.0), info[2])
+        total = sum(self.cpu_seen.values())
+        if total > self._last_total:
+            self._last_total, self.last_progress = total, time.monotonic()
+        return total
+
+    def idle_for(self) -> float:
+        """Seconds since the tree last used any CPU (0 where there is no /proc)."""
+        return time.monotonic() - self.last_progress if HAS_PROC else 0.0
+
+    def wall(self) -> float:
+        return time.monotonic() - self.started

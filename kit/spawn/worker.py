@@ -1,0 +1,206 @@
+"""Inside a worker: the loop that runs what the judge asks and sends back data (:mod:`kit.spawn.wire`).
+
+A worker is a child of the zygote (:mod:`kit.spawn.zygote`) with one channel to the judge. The judge
+sends requests (pickled: the judge is trusted, the worker is not); the worker answers each with one
+message of data. Requests:
+
+* ``{"op": "call", "fn", "args", "kwargs"}`` — run ``fn(*args, **kwargs)``; answer its value or its failure.
+  A persistent worker serves call after call (the single-process checks of a whole session);
+* ``{"op": "rank", "fn", "args", "kwargs", "rank", "world_size", "backend", "folder", "timeout"}`` — join a
+  process group as one rank, run the function once, answer, leave the group and exit;
+* ``{"op": "import", "name"}`` — import a module (the grader's import check of a stage);
+* ``{"op": "unavailable", "modules": {name: why}}`` — from now on, importing one of these modules fails at
+  once with ``why`` (a module known to hang or fail at import, so a later stage that uses it says so
+  instead of hanging again).
+
+Answers are dicts: ``{"ok": True, "value": …}`` or ``{"ok": False, "failure": {type, kind, message,
+traceback}}``. While a rank runs :func:`kit.checks.run_checks`, each finished check is sent at once as
+``{"check": name, "ok": …}``: a hang later in the spawn keeps the checks that finished.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import importlib.abc
+import os
+import pickle
+import signal
+import sys
+import traceback
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+from . import wire
+
+__tracebackhide__ = True
+
+HERE = Path(__file__).resolve().parent
+KIT_PLUMBING = ("checks.py", "testing.py", "comm_log.py")
+
+_channel: Connection | None = None  # this worker's channel to the judge (None outside a worker)
+_JUDGE_MAIN = "__kit_judge_main__"  # where the judge's script is loaded, the first time one of its functions is
+
+
+def kit_internal(filename: str) -> bool:
+    """True for a frame of the kit's own plumbing (this package, the checks harness, the comparisons)."""
+    path = Path(filename).resolve()
+    return path.parent == HERE or (path.parent == HERE.parent and path.name in KIT_PLUMBING)
+
+
+def error_report(exc: BaseException) -> dict[str, str]:
+    """``{"type", "kind", "message", "traceback"}`` of an exception; the traceback without the kit's frames.
+
+    ``kind`` is what the judge turns it into: ``not_implemented`` (a stub), ``assertion`` (an
+    ``AssertionError`` or ``pytest.fail``) or ``error`` (anything else).
+    """
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not kit_internal(f.filename)]
+    try:
+        message = str(exc)
+    except Exception:  # noqa: BLE001 — an exception whose __str__ itself fails
+        message = repr(exc)
+    kind_name = type(exc).__name__
+    kind = ("not_implemented" if isinstance(exc, NotImplementedError)
+            else "assertion" if isinstance(exc, AssertionError) or kind_name == "Failed"  # pytest.fail
+            else "error")
+    if not message and frames and kind != "not_implemented":  # a bare `assert x`: quote the line instead
+        last = frames[-1]
+        message = f"{kind_name} at {Path(last.filename).name}:{last.lineno}: {last.line}"
+    return {"type": kind_name, "kind": kind, "message": message,
+            "traceback": "".join(traceback.format_list(frames))}
+
+
+def send(message: dict) -> None:
+    """Send one message (made of data: see :func:`_run`) to the judge."""
+    assert _channel is not None, "send() is for workers"
+    _channel.send_bytes(wire.encode(message))
+
+
+def report_check(name: str, ok: bool, payload: Any) -> None:
+    """While a rank runs several named checks: send one check's outcome now (see the module docstring).
+    ``payload`` is the check's value (already normalised) or its failure report."""
+    if _channel is not None:
+        send({"check": name, "ok": ok, **({"value": payload} if ok else {"failure": payload})})
+
+
+def from_main(module: str | None, path: str | None, qualname: str) -> Any:
+    """A function or class of the judge's ``__main__``, found here: by module name (``python -m x``), else by
+    loading the judge's script as ``__mp_main__`` (as multiprocessing does; its ``if __name__ ==
+    "__main__"`` block does not run)."""
+    import importlib.util
+
+    if module:
+        target = importlib.import_module(module)
+    elif _JUDGE_MAIN in sys.modules:
+        target = sys.modules[_JUDGE_MAIN]
+    else:
+        spec = importlib.util.spec_from_file_location("__mp_main__", path)
+        target = importlib.util.module_from_spec(spec)
+        sys.modules[_JUDGE_MAIN] = target
+        spec.loader.exec_module(target)
+    for part in qualname.split("."):
+        target = getattr(target, part)
+    return target
+
+
+def in_worker() -> bool:
+    return _channel is not None
+
+
+class _Unavailable(importlib.abc.MetaPathFinder):
+    """Fails the import of modules known to hang or fail, at once and saying why."""
+
+    def __init__(self) -> None:
+        self.modules: dict[str, str] = {}
+
+    def find_spec(self, name, path=None, target=None):
+        why = self.modules.get(name)
+        if why is not None:
+            raise ImportError(why, name=name)
+        return None
+
+
+_unavailable = _Unavailable()
+
+
+def _run(fn, args, kwargs) -> dict:
+    """``fn``'s value as data, or its failure; a value that is not data fails, naming the part that is not."""
+    try:
+        return {"ok": True, "value": wire.normalise(fn(*args, **kwargs), f"what {getattr(fn, '__name__', fn)} "
+                                                                          "returned")}
+    except (KeyboardInterrupt, SystemExit) as exc:
+        return {"ok": False, "failure": error_report(exc)}
+    except BaseException as exc:  # noqa: BLE001 — pytest.fail raises a BaseException too
+        return {"ok": False, "failure": error_report(exc)}
+
+
+def _rank(request: dict) -> dict:
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    from .rank import default_gloo_interface
+
+    rank, world = request["rank"], request["world_size"]
+    torch.set_num_threads(1)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), KIT_RANK_FOLDER=request["folder"])
+    try:
+        if request["backend"] == "nccl":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        else:
+            default_gloo_interface()
+        dist.init_process_group(request["backend"], init_method=f"file://{request['folder']}/store", rank=rank,
+                                world_size=world, timeout=datetime.timedelta(seconds=request["timeout"]))
+    except BaseException as exc:  # noqa: BLE001
+        return {"ok": False, "failure": error_report(exc)}
+    try:
+        return _run(request["fn"], request["args"], request["kwargs"])
+    finally:
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def serve(channel: Connection) -> None:
+    """The worker's loop: answer requests until the judge closes the channel (or after one rank)."""
+    global _channel
+    _channel = channel
+    # The judge dumps this worker's stack here when it stops answering (faulthandler; a hang in C shows too).
+    stack_file = open(f"{os.environ.get('KIT_WORKER_STACKS', '/dev/null')}", "w")  # noqa: SIM115
+    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
+    sys.meta_path.insert(0, _unavailable)
+    if os.environ.get("KIT_NO_IMPLEMENTATION"):  # a reference rank: the judge's code only
+        _unavailable.modules.update({name: f"{name}: reference ranks never load the implementation"
+                                     for name in ("student", "reference")})
+    import torch
+
+    torch.set_num_threads(1)  # as the judge and every rank: the same kernels, the same rounding
+    while True:
+        try:
+            data = channel.recv_bytes()
+        except (EOFError, OSError):
+            return
+        try:
+            request = pickle.loads(data)
+        except Exception as exc:  # noqa: BLE001 — e.g. a check function this worker cannot import
+            send({"ok": False, "failure": error_report(exc)})
+            continue
+        for entry in request.get("sys_path", ()):  # test folders the judge imported from since the fork
+            if entry not in sys.path:
+                sys.path.append(entry)
+        op = request["op"]
+        if op == "call":
+            send(_run(request["fn"], request["args"], request["kwargs"]))
+        elif op == "rank":
+            send(_rank(request))
+            return
+        elif op == "import":
+            send(_run(importlib.import_module, (request["name"],), {}))
+        elif op == "unavailable":
+            _unavailable.modules.update(request["modules"])
+            send({"ok": True, "value": None})
+        else:
+            send({"ok": False, "failure": {"type": "ValueError", "kind": "error", "message": f"unknown op {op!r}",
+                                           "traceback": ""}})
