@@ -99,7 +99,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="a test's CPU budget = factor × its reference CPU time…")
     group.addoption("--timing-floor", type=float, default=timings.FLOOR, help="…but at least this many CPU-seconds")
     group.addoption("--idle-limit", type=float, default=timings.IDLE,
-                    help="seconds a test's workers may use no CPU at all before they count as blocked")
+                    help="seconds a test's workers may make no progress before they count as blocked")
     group.addoption("--import-timeout", type=float, default=0.0,
                     help="import each graded stage's modules first, failing the stage past this many seconds")
     group.addoption("--failed-imports", default=None, help="JSON {stage: reason}: stages already known not to import")

@@ -6,7 +6,7 @@ used** in setup and call, to ``tests/timings.json`` (hidden tests to ``tests/hid
 which never ships): ``[setup, call, teardown, cpu_setup, cpu_call]``. A graded test then gets
 
     CPU budget  = max(floor, factor × (largest CPU setup in its file + its own CPU call))
-    idle limit  = IDLE seconds in which its workers use no CPU at all (kit.spawn.watch)
+    idle limit  = IDLE seconds in which its workers make no progress (kit.spawn.watch)
     wall limit  = cap (``--per-test-timeout``): the last resort
 
 The CPU budget is what tells a hang from a slow machine (:mod:`kit.spawn.watch`): a busy machine slows a

@@ -37,7 +37,7 @@ __tracebackhide__ = True  # pytest: the kit's plumbing is not part of a student'
 
 POLL_S = 0.2  # how often the judge reads the workers' CPU while it waits for them
 GRACE_S = 1.0  # after a first failure, how long the other ranks get to report theirs
-IDLE_DEFAULT_S = 30.0  # no CPU used at all for this long, unfinished: a hang (see kit.spawn.watch)
+IDLE_DEFAULT_S = 30.0  # no progress for this long, unfinished: a hang (see kit.spawn.watch)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -342,6 +342,8 @@ def collect(children: list[Child], *, timeout: float, stop_early: bool = True) -
                 break
     outcome.seconds = watch.wall()
     budget.spent += outcome.cpu
+    # The first to fail is the cause; the others (a peer's closed connection) its consequences.
+    outcome.errors_first.sort(key=lambda r: wire.field(outcome.finals[r], "sent", float, float("inf")))
     for r in outcome.died:
         outcome.died[r] = _exit_code(children[r])
         outcome.stderr[r] = stderr_tail(children[r])
@@ -407,8 +409,9 @@ def limit_message(outcome: Outcome, what: str, timeout: float) -> str:
         why = (f"used {budget.spent:.1f} CPU-seconds, more than its budget of {budget.cpu:.1f} (several times what "
                "the reference needs): an endless loop, or work far beyond what the test asks")
     elif outcome.limit == "idle":
-        why = (f"used no CPU at all for {budget.idle:g} s without finishing: it is blocked — a collective that not "
-               "every rank joined (or joined with another size), a wait on something that never comes, a sleep")
+        why = (f"made no progress for {budget.idle:g} s (almost no CPU used, nothing waiting for a core) without "
+               "finishing: it is blocked — a collective that not every rank joined (or joined with another size), a "
+               "wait on something that never comes, a sleep")
     else:
         why = (f"did not finish within {timeout:g} s of wall-clock time although it kept working (the last resort, "
                "far above a busy machine's needs)")

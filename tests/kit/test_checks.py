@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
 
-from kit.checks import Failure, RankCheckError, run_check, run_checks, spawned_checks
-from kit.spawn import RankTimeoutError
+from kit.checks import Failure, RankCheckError, Worker, reference_ranks, run_check, run_checks, spawned_checks
+from kit.spawn import RankFailedError, RankTimeoutError, parent
 
 
 def _sum_of_ranks() -> tuple[int, float]:
@@ -63,8 +66,15 @@ def _stub_before_the_checks() -> dict:
     return run_checks({"never_ran": lambda: 1})
 
 
-# The hang at the end costs the whole timeout: long enough for two ranks to start on a loaded machine.
-many = spawned_checks(_many_checks, 2, timeout=40)
+@pytest.fixture(autouse=True)
+def _short_idle_limit():
+    # The hang at the end of _many_checks costs the idle limit: 5 s here instead of the default 30.
+    previous = parent.set_allowance(parent.Allowance(idle=5.0))
+    yield
+    parent.set_allowance(previous)
+
+
+many = spawned_checks(_many_checks, 2, timeout=120)
 stub_first = spawned_checks(_stub_before_the_checks, 2, timeout=60)
 dependent = spawned_checks(_resumes, 2, args=lambda many: (many.value_or_failure("stub", rank=0),), timeout=60)
 
@@ -133,3 +143,61 @@ def test_run_check_one_spawn_one_check() -> None:
     assert run_check(_check_alone, 2, args=(1.5,), timeout=60) == [1.5, 3.0]
     with pytest.raises(NotImplementedError, match=r"^negative scales are a stub\n\(rank 0, check '_check_alone'"):
         run_check(_check_alone, 2, args=(-1.0,), timeout=60)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The single-process worker and the reference ranks
+# ----------------------------------------------------------------------------------------------------
+
+
+def _square(x: torch.Tensor) -> dict:
+    return {"squared": x * x, "pid": os.getpid()}
+
+
+def _crash() -> None:
+    os._exit(7)
+
+
+def _sleep() -> None:
+    time.sleep(1000)
+
+
+def _an_object() -> object:
+    return Failure
+
+
+def _loads_the_implementation() -> str:
+    import kit.impl
+
+    return kit.impl.load().benchmarking.__name__
+
+
+def test_worker_returns_data_and_stays_warm() -> None:
+    worker = Worker()
+    first = worker.call(_square, torch.arange(3.0))
+    second = worker.call(_square, torch.tensor([4.0]))
+    assert torch.equal(first["squared"], torch.tensor([0.0, 1.0, 4.0])) and second["squared"].item() == 16.0
+    assert first["pid"] == second["pid"] != os.getpid(), "one warm worker serves call after call, not the judge"
+
+
+def test_worker_failures_keep_their_kind() -> None:
+    worker = Worker()
+    with pytest.raises(NotImplementedError, match=r"^Problem 9\.1: implement the stub \(handout 09 §1\)\n\(check '_stub'\)"):
+        worker.call(_stub)
+    with pytest.raises(RankCheckError, match=r"exited with code 7 without reporting"):
+        worker.call(_crash)
+    assert worker.call(_square, torch.ones(1))["squared"].item() == 1.0, "a fresh worker replaces a dead one"
+    with pytest.raises(RankCheckError, match=r"what _an_object returned is a builtins\.type: a check returns data"):
+        worker.call(_an_object)
+
+
+def test_worker_hang_is_stopped_with_its_stack() -> None:
+    parent.allowance().idle = 3.0
+    with pytest.raises(RankTimeoutError, match=r"check '_sleep' made no progress for 3 s.*in _sleep"):
+        Worker().call(_sleep)
+
+
+def test_reference_ranks_cannot_load_the_implementation() -> None:
+    with pytest.raises(RankFailedError, match=r"reference ranks never load the implementation"):
+        reference_ranks(_loads_the_implementation, 1, timeout=60)
+    assert reference_ranks(_check_alone, 2, args=(1.0,), timeout=60) == [1.0, 2.0]

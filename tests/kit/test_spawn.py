@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from kit.spawn import RankFailedError, RankTimeoutError, run_on_ranks
+from kit.spawn import RankFailedError, RankTimeoutError, parent, run_on_ranks
 
 
 def _all_reduce_rank(scale: float) -> tuple[int, int, float, int]:
@@ -79,13 +79,72 @@ def test_failing_rank_surfaces_its_traceback_quickly() -> None:
     assert time.monotonic() - start < 30, "a failing rank must not make the others wait for the timeout"
 
 
-def test_hung_rank_times_out_with_its_stack() -> None:
+@pytest.fixture
+def allowance():
+    """Limits for this test's workers, as the grading plugin sets them (restored afterwards)."""
+    previous = parent.allowance()
+    yield lambda **limits: parent.set_allowance(parent.Allowance(**limits))
+    parent.set_allowance(previous)
+
+
+def test_blocked_rank_is_stopped_when_it_makes_no_progress(allowance) -> None:
+    allowance(idle=3.0)
+    start = time.monotonic()
     with pytest.raises(RankTimeoutError) as info:
-        run_on_ranks(_hang_on_rank_zero, 2, timeout=15)
+        run_on_ranks(_hang_on_rank_zero, 2, timeout=300)
     first = str(info.value).splitlines()[0]
-    assert first.startswith("ranks [0] of 2 did not finish within 15 s: rank 0 at "), first
-    assert "test_spawn.py, line" in first and "in _hang_on_rank_zero" in first, "where it was stuck, in one line"
+    assert first.startswith("ranks [0] of 2 made no progress for 3 s"), first
+    assert "Stopped at: rank 0 at " in first and "test_spawn.py, line" in first and "in _hang_on_rank_zero" in first, (
+        "where it was stuck, in one line")
     assert "<frozen importlib" not in str(info.value)
+    assert time.monotonic() - start < 60, "the idle limit, not the wall clock, stopped it"
+
+
+def _spin_on_rank_one() -> None:
+    if dist.get_rank() == 1:
+        while True:
+            pass
+    dist.barrier()
+
+
+def test_spinning_rank_is_stopped_by_its_cpu_budget(allowance) -> None:
+    allowance(cpu=2.0)
+    with pytest.raises(RankTimeoutError) as info:
+        run_on_ranks(_spin_on_rank_one, 2, timeout=300)
+    first = str(info.value).splitlines()[0]
+    assert "CPU-seconds, more than its budget of 2.0" in first and "in _spin_on_rank_one" in first, first
+
+
+def test_wall_clock_is_the_last_resort(allowance) -> None:
+    allowance()  # no CPU budget, no idle limit in force beyond the default: only the wall clock stops a spin
+    parent.allowance().idle = float("inf")
+    with pytest.raises(RankTimeoutError, match=r"did not finish within 3 s of wall-clock time"):
+        run_on_ranks(_spin_on_rank_one, 2, timeout=3)
+
+
+def _sleep_then_work(seconds: float) -> float:
+    time.sleep(seconds)  # blocked, but for less than the idle limit
+    return float(torch.ones(100, 100).sum())
+
+
+def test_waiting_is_not_spinning(allowance) -> None:
+    # A CPU budget far below the wall time: a rank that mostly waits (a busy machine, a short sleep) never
+    # meets it, since waiting uses no CPU.
+    allowance(cpu=2.0, idle=10.0)
+    assert run_on_ranks(_sleep_then_work, 2, args=(4.0,), timeout=60) == [10_000.0, 10_000.0]
+
+
+class _NotData:
+    pass
+
+
+def _return_an_object() -> _NotData:
+    return _NotData()
+
+
+def test_a_rank_returns_data_only() -> None:
+    with pytest.raises(RankFailedError, match=r"is a test_spawn\._NotData: a check returns data only"):
+        run_on_ranks(_return_an_object, 1, timeout=60)
 
 
 def test_collective_mismatch_quotes_gloo() -> None:
