@@ -25,7 +25,8 @@ def _limits(args: argparse.Namespace):
     from kit.grading.running import Limits
 
     return Limits(timeout=args.timeout, per_test_timeout=args.per_test_timeout, import_timeout=args.import_timeout,
-                  timing_factor=args.timing_factor, timing_floor=args.timing_floor, memory_gb=args.memory_gb or None)
+                  timing_factor=args.timing_factor, timing_floor=args.timing_floor, idle_limit=args.idle_limit,
+                  memory_gb=args.memory_gb or None)
 
 
 def _grade_batch(args: argparse.Namespace, **kwargs) -> int:
@@ -183,12 +184,15 @@ def _limit_options(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--timeout", type=float, default=1800.0, help="wall-clock seconds per submission")
     p.add_argument("--per-test-timeout", type=float, default=300.0,
-                   help="most seconds per test, and the limit of tests with no recorded reference time")
+                   help="most wall-clock seconds per test: the last resort (hangs are stopped by the CPU budget and "
+                        "the idle limit)")
     p.add_argument("--import-timeout", type=float, default=30.0,
-                   help="seconds each stage's modules may take to import before that stage fails")
+                   help="CPU (or idle) seconds each stage's modules may take to import before that stage fails")
     p.add_argument("--timing-factor", type=float, default=timings.FACTOR,
-                   help="a test with a recorded reference time may take this many times it…")
-    p.add_argument("--timing-floor", type=float, default=timings.FLOOR, help="…but at least this many seconds")
+                   help="a test's workers may use this many times the CPU the reference's used…")
+    p.add_argument("--timing-floor", type=float, default=timings.FLOOR, help="…but at least this many CPU-seconds")
+    p.add_argument("--idle-limit", type=float, default=timings.IDLE,
+                   help="seconds a test's workers may make no progress (blocked) before they are stopped")
     p.add_argument("--memory-gb", type=float, default=8.0, help="address-space limit per process (CPU; 0: none)")
 
 

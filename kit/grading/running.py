@@ -1,11 +1,13 @@
 """Run the graded suite on one tree in a sandboxed child process, and keep going whatever the code does.
 
-The child (``python -m kit.sandbox … -- python -m pytest …``) gets a reduced environment, resource limits,
-its own process group and the grading plugin, which reports every test to a signed log. The grader
-watches that log while the child runs:
+The child (``python -m kit.sandbox … -- python -m pytest …``) is the judge: pytest with the grading plugin
+(:mod:`kit.grading.plugin`), which never runs the submission itself but hands it to confined worker
+processes. It gets a reduced environment, resource limits and its own process group, and reports every test
+to a signed log. The grader watches that log while the child runs:
 
-* a test past its time limit raises inside the child (the plugin's alarm); one that does not stop —
-  a hang in C code, a replaced signal handler — is killed from here ``Limits.grace`` seconds later;
+* a test whose workers spin past their CPU budget or stay blocked past the idle limit is stopped by the
+  judge, which dumps their stacks into the test's failure and goes on; the grader kills the judge itself
+  only if a test outlives its wall-clock cap by ``Limits.grace`` (a fault of the kit, not of a submission);
 * if the child dies or is killed mid-run, the test it was in fails and the tests it never reached run
   again in a fresh child (at most ``MAX_RESUMES`` times), so one bad test costs one test;
 * if it dies or hangs while importing a stage's modules, that stage fails and the others are graded;
@@ -42,16 +44,19 @@ POLL = 0.25
 class Limits:
     """What one submission may use. Times in seconds; memory per process (CPU only).
 
-    ``per_test_timeout`` caps every test and is the limit of tests with no recorded reference time; the
-    others get ``max(timing_floor, timing_factor × reference time)`` (:mod:`kit.grading.timings`).
+    A test's workers may use ``max(timing_floor, timing_factor × the reference's CPU time)`` CPU-seconds and
+    make no progress for at most ``idle_limit`` seconds (:mod:`kit.grading.timings`); ``per_test_timeout``
+    caps its wall clock, the last resort. The judge enforces these; the grader kills the judge itself only
+    when a test outlives its wall-clock cap by ``grace`` (a fault of the kit, never of a submission).
     """
 
     timeout: float = 1800.0
     per_test_timeout: float = 300.0
     import_timeout: float = 30.0
-    grace: float = 30.0  # past a test's or an import's limit, before a child that did not stop is killed
+    grace: float = 30.0
     timing_factor: float = timings.FACTOR
     timing_floor: float = timings.FLOOR
+    idle_limit: float = timings.IDLE
     memory_gb: float | None = 8.0
     file_gb: float | None = 2.0
 
@@ -112,6 +117,7 @@ class SuiteRun:
                 sys.executable, "-m", "pytest", *targets, "-q", "-p", "kit", "-p", "no:cacheprovider",
                 "-p", "kit.grading.plugin", f"--grading-log={log}", f"--per-test-timeout={lim.per_test_timeout}",
                 f"--timing-factor={lim.timing_factor}", f"--timing-floor={lim.timing_floor}",
+                f"--idle-limit={lim.idle_limit}",
                 f"--import-timeout={lim.import_timeout}", f"--failed-imports={failed_imports}",
                 f"--impl={self.impl}", *self.selection, "-o", "addopts=", "--tb=short"]
 

@@ -53,4 +53,4 @@ def innermost_own_frame(stack: str) -> str:
     own = [f for f in frames if not any(s in f for s in library)]
     if own:
         return own[0]
-    return f"{frames[0].rsplit(' in ', 1)[-1]}, before any code of its own" if frames else "(not started yet)"
+    return f"{frames[0].rsplit(' in ', 1)[-1]}, before any code of its own" if frames else "(no stack)"

@@ -224,6 +224,7 @@ class Outcome:
     died: dict[int, int | None] = field(default_factory=dict)  # process → exit code, for those without an answer
     errors_first: list[int] = field(default_factory=list)  # processes whose answer was a failure, in order
     limit: str = ""  # "", or what ran out: "cpu", "idle", "wall"
+    limits: tuple[float, float, float] = (0.0, 0.0, 0.0)  # when it ran out: CPU spent, CPU budget, idle limit
     stacks: dict[int, str] = field(default_factory=dict)
     stderr: dict[int, list[str]] = field(default_factory=dict)
     cpu: float = 0.0
@@ -338,6 +339,7 @@ def collect(children: list[Child], *, timeout: float, stop_early: bool = True) -
             elif watch.wall() > timeout or budget.wall_left() <= 0:
                 outcome.limit = "wall"
             if outcome.limit:
+                outcome.limits = (budget.spent + outcome.cpu, budget.cpu, budget.idle)
                 outcome.stacks = _dump_stacks(children, sorted(pending.values()))
                 break
     outcome.seconds = watch.wall()
@@ -402,14 +404,14 @@ def limit_message(outcome: Outcome, what: str, timeout: float) -> str:
     """Why a request was stopped, where each process was, and what to look for."""
     from .messages import innermost_own_frame
 
-    budget = _allowance
+    spent, cpu_budget, idle = outcome.limits
     where = "; ".join(f"{'process' if outcome.n == 1 else 'rank'} {r} at {innermost_own_frame(s)}"
                       for r, s in outcome.stacks.items())
     if outcome.limit == "cpu":
-        why = (f"used {budget.spent:.1f} CPU-seconds, more than its budget of {budget.cpu:.1f} (several times what "
+        why = (f"used {spent:.1f} CPU-seconds, more than its budget of {cpu_budget:.1f} (several times what "
                "the reference needs): an endless loop, or work far beyond what the test asks")
     elif outcome.limit == "idle":
-        why = (f"made no progress for {budget.idle:g} s (almost no CPU used, nothing waiting for a core) without "
+        why = (f"made no progress for {idle:g} s (almost no CPU used, nothing waiting for a core) without "
                "finishing: it is blocked — a collective that not every rank joined (or joined with another size), a "
                "wait on something that never comes, a sleep")
     else:
@@ -419,7 +421,8 @@ def limit_message(outcome: Outcome, what: str, timeout: float) -> str:
     for r, stack in outcome.stacks.items():
         lines = [line for line in stack.splitlines() if "<frozen importlib" not in line]
         label = "process" if outcome.n == 1 else "rank"
-        text += f"\n--- {label} {r} ---\n" + ("\n".join(lines) or "(no stack: it had not started)")
+        text += f"\n--- {label} {r} ---\n" + ("\n".join(lines) or "(no stack: it had not started, or it blocks the "
+                                                              "signal that asks for one)")
     return text
 
 

@@ -202,7 +202,7 @@ def serve(channel: Connection) -> None:
             send(_rank(request))
             return
         elif op == "import":
-            send(_run(importlib.import_module, (request["name"],), {}))
+            send(_run(lambda name: importlib.import_module(name) and None, (request["name"],), {}))
         elif op == "unavailable":
             _unavailable.modules.update(request["modules"])
             send({"ok": True, "value": None})
