@@ -39,8 +39,10 @@ def _grade_batch(args: argparse.Namespace, **kwargs) -> int:
     for r in report.results:
         print(f"{r.submission:<30} {r.score:>6g} / {r.max_score:<6g} {r.status} {r.message}")
     if report.skipped:
-        print(f"skipped {len(report.skipped)} submission(s) already graded with their current files "
-              "(--force regrades them)")
+        print(f"skipped {len(report.skipped)} submission(s) already graded with their current files, this kit, "
+              "these tests and these options (--force regrades them)")
+    for name, why in sorted(report.regraded.items()):
+        print(f"regraded {name}: {why}")
     print(f"\nwrote {out}/<submission>/results.json and {out / 'gradebook.csv'}")
     if report.interrupted:
         print("interrupted: the gradebook holds every submission finished so far; run the same command again "

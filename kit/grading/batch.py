@@ -1,10 +1,12 @@
 """A folder of submissions: each subfolder graded, ``jobs`` at a time, resumable after an interruption.
 
 For each submission ``out/<name>/results.json`` is written when its grading completes, and its
-``gradebook.csv`` row is replaced at once. A results.json records a hash of exactly the files graded
-(:func:`kit.grading.staging.content_hash`) and the stages graded, so running the same batch again grades
-only the submissions without a complete result for their current files — those never graded, those
-interrupted, and those changed since — unless ``force``. Submissions whose earlier grading took longest
+``gradebook.csv`` row is replaced at once. A results.json records what its grade depends on: a hash of
+exactly the files graded (:func:`kit.grading.staging.content_hash`), a hash of the kit, the tests, their
+recorded timings and the handout (:func:`kit.grading.staging.grader_hash`), the stages, the hidden flag and
+the limits. Running the same batch again grades only the submissions without a complete result under all of
+these — never graded, interrupted, changed since, or graded by another kit, other tests or other options —
+and says why each is regraded, unless ``force``. Submissions whose earlier grading took longest
 (an interrupted one included) go last, so a hanging submission occupies one worker while the others finish.
 """
 
@@ -12,29 +14,48 @@ from __future__ import annotations
 
 import json
 from concurrent.futures import ThreadPoolExecutor, as_completed
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from kit.grading import gradebook, processes
 from kit.grading.reporting import gradescope_json
 from kit.grading.running import Limits, grade
 from kit.grading.scoring import GradeResult
-from kit.grading.staging import content_hash
+from kit.grading.staging import content_hash, grader_hash
 
 
 @dataclass
 class BatchReport:
     results: list[GradeResult] = field(default_factory=list)  # graded in this run, interrupted ones included
     skipped: list[str] = field(default_factory=list)  # already had a complete result for their current files
+    regraded: dict[str, str] = field(default_factory=dict)  # had a result, graded again: why
     interrupted: bool = False
 
 
-def _fingerprint(submission: Path, stages: list[int] | None, include_hidden: bool) -> dict:
+def _fingerprint(submission: Path, stages: list[int] | None, include_hidden: bool, limits: Limits | None,
+                 grader: str) -> dict:
     try:
         digest = content_hash(submission)
     except (FileNotFoundError, OSError):
         digest = None
-    return {"content_hash": digest, "stages": stages or "all", "hidden": include_hidden}
+    return {"content_hash": digest, "grader_hash": grader, "stages": stages or "all", "hidden": include_hidden,
+            "limits": asdict(limits or Limits())}
+
+
+WHY = {"content_hash": "its files changed", "grader_hash": "the kit, the tests or their recorded timings changed",
+       "stages": "other stages are graded", "hidden": "the hidden tests are graded, or no longer",
+       "limits": "the grading limits changed"}
+
+
+def _stale(previous: dict, fingerprint: dict) -> str | None:
+    """Why a previous result no longer stands (None: it does)."""
+    extra = previous.get("extra_data", {})
+    if not previous or fingerprint["content_hash"] is None:
+        return "never graded" if not previous else "its files cannot be read"
+    if extra.get("status") in (None, "interrupted"):
+        return "its grading was interrupted"
+    changed = [WHY[k] for k, v in fingerprint.items() if extra.get(k) != v]
+    return "; ".join(changed) if changed else None
 
 
 def _previous(out: Path, name: str) -> dict:
@@ -42,12 +63,6 @@ def _previous(out: Path, name: str) -> dict:
         return json.loads((out / name / "results.json").read_text())
     except (OSError, ValueError):
         return {}
-
-
-def _complete(previous: dict, fingerprint: dict) -> bool:
-    extra = previous.get("extra_data", {})
-    return (fingerprint["content_hash"] is not None and extra.get("status") not in (None, "interrupted")
-            and all(extra.get(k) == v for k, v in fingerprint.items()))
 
 
 def _write_json(path: Path, data: dict) -> None:
@@ -86,11 +101,15 @@ def grade_batch(folder: Path, out: Path, *, stages: list[int] | None = None, inc
     report = BatchReport()
     todo: list[tuple[float, Path, dict]] = []
     rows = gradebook.read(book)
+    grader = grader_hash(include_hidden)
     for sub in _submissions(folder, only):
-        fingerprint, previous = _fingerprint(sub, stages, include_hidden), _previous(out, sub.name)
-        if not force and not only and _complete(previous, fingerprint):
+        fingerprint, previous = _fingerprint(sub, stages, include_hidden, limits, grader), _previous(out, sub.name)
+        why = _stale(previous, fingerprint)
+        if not force and not only and why is None:
             report.skipped.append(sub.name)
             continue
+        if previous:
+            report.regraded[sub.name] = "--force" if force or only else why
         # Longest earlier grading last; never graded (time unknown) first.
         seconds = previous.get("execution_time") or float(rows.get(sub.name, {}).get("time_s") or 0)
         todo.append((seconds, sub, fingerprint))

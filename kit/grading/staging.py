@@ -58,6 +58,20 @@ def content_hash(submission: Path) -> str:
     return digest.hexdigest()[:16]
 
 
+def grader_hash(include_hidden: bool, root: Path = ROOT) -> str:
+    """A hash of everything but the submission that a grade depends on: the kit, the graded tests (and
+    ``tests/timings.json``, the hidden tests with ``include_hidden``), the handout (problem numbers) and
+    ``pyproject.toml``. A result graded under another hash is stale."""
+    digest = hashlib.sha256()
+    paths = [root / "pyproject.toml", *sorted((root / "handout").glob("*.md"))]
+    for folder, skip in (("kit", ()), ("tests", ("kit",) + (() if include_hidden else ("hidden",)))):
+        paths += [p for p in sorted((root / folder).rglob("*")) if p.is_file() and "__pycache__" not in p.parts
+                  and p.suffix != ".pyc" and p.relative_to(root / folder).parts[0] not in skip]
+    for path in paths:
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:16]
+
+
 def stage_submission(submission: Path, dest: Path, *, include_hidden: bool = False) -> list[str]:
     """Build a grading tree in ``dest``: a clean copy of the kit plus the submission's ``student/**/*.py``.
 

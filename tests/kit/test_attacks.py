@@ -1,4 +1,5 @@
-"""Hostile submissions get exactly what they legitimately pass (0 here), are reported, and the batch goes on."""
+"""Hostile submissions get exactly what they legitimately pass (0 here), the evidence is reported, and the batch
+goes on. See ``attacks/README.md`` for what each one tries."""
 
 from __future__ import annotations
 
@@ -10,8 +11,12 @@ import pytest
 
 from kit.grading import batch, reporting, running
 from kit.grading.scoring import GradeResult
+from kit.spawn.confine import landlock_abi
 
 ATTACKS = Path(__file__).resolve().parent / "attacks"
+ROOT = Path(__file__).resolve().parents[2]
+CONFINED = landlock_abi() >= 1
+MARKER = Path("/tmp/kit-attack-forge-channel-ran-in-the-judge")
 
 
 def _processes_with(token: bytes) -> list[int]:
@@ -27,12 +32,24 @@ def _processes_with(token: bytes) -> list[int]:
     return found
 
 
+def _tracked_files() -> dict[Path, bytes]:
+    return {p: p.read_bytes() for p in (ROOT / "kit" / "testing.py", ROOT / "tests" / "test_stage1_benchmarking.py",
+                                        ROOT / "tests" / "timings.json")}
+
+
 @pytest.fixture(scope="module")
 def graded(tmp_path_factory) -> tuple[dict[str, GradeResult], Path]:
+    MARKER.unlink(missing_ok=True)
+    before = _tracked_files()
     out = tmp_path_factory.mktemp("attack-grades")
-    limits = running.Limits(timeout=90, per_test_timeout=10, memory_gb=2)
+    limits = running.Limits(timeout=180, per_test_timeout=60, memory_gb=2, idle_limit=5, timing_floor=5)
     results = batch.grade_batch(ATTACKS, out, stages=[1], limits=limits, jobs=2).results
+    assert _tracked_files() == before, "a submission changed the kit's own files on disk"
     return {r.submission: r for r in results}, out
+
+
+def _outputs(result: GradeResult) -> str:
+    return "\n".join(t.output for t in result.tests)
 
 
 def test_every_attack_is_graded_and_scores_zero(graded):
@@ -46,30 +63,52 @@ def test_every_attack_is_graded_and_scores_zero(graded):
         assert data["score"] == 0 and data["max_score"] == r.max_score
 
 
-@pytest.mark.parametrize("name, evidence", [
-    ("patch_reporting", "replaced torch.testing.assert_close"),
-    ("read_reference", "tried to"),
-    ("stack_peek", "inspected the call stack"),
-    ("write_results", "forged or altered line"),
-])
-def test_tampering_is_flagged(graded, name, evidence):
-    result = graded[0][name]
-    assert result.flags, f"{name} was not flagged: {result.message}"
-    assert any(evidence in f for f in result.flags), f"{name} flags: {result.flags}"
-    assert "FLAGGED" in result.message
+def test_patches_in_the_worker_never_reach_a_verdict(graded):
+    results, _ = graded
+    for name in ("testreport_init", "patch_reporting"):
+        assert all("NotImplementedError" in t.output or "not implemented" in t.output.lower()
+                   for t in results[name].tests), f"{name}: the stubs' own failures are reported as they are"
+    text = _outputs(results["patch_at_call_time"])
+    assert "wrong on purpose, after patching" in text, "the worker's error, untouched by its own patches"
+
+
+def test_objects_are_not_data(graded):
+    text = _outputs(graded[0]["equal_to_anything"])
+    assert "a check returns data only" in text, text[:2000]
+
+
+def test_forged_channel_messages_are_data_at_most(graded):
+    result = graded[0]["forge_channel"]
+    assert not MARKER.exists(), "a pickle a worker sent was unpickled by the judge"
+    assert "not data" in _outputs(result), _outputs(result)[:2000]
 
 
 def test_exit_zero_cannot_hide_failures(graded):
     result = graded[0]["exit_zero"]
-    assert result.status == "crashed"
     assert all(t.status == "failed" for t in result.tests)
+    assert "exited with code 0 without reporting" in _outputs(result)
 
 
-def test_forged_results_json_is_replaced_by_the_grader(graded):
-    _, out = graded
+def test_forged_log_lines_and_results_are_ignored(graded):
+    results, out = graded
+    assert any("forged or altered line" in f for f in results["write_results"].flags) or CONFINED, (
+        "unconfined, the forged lines reach the log and must be detected")
     data = json.loads((out / "write_results" / "results.json").read_text())
     # The forgery claimed 1000 points and no tests; the grader's file lists every test at 0.
-    assert data["score"] == 0 and len(data["tests"]) == len(graded[0]["write_results"].tests) > 0
+    assert data["score"] == 0 and len(data["tests"]) == len(results["write_results"].tests) > 0
+
+
+@pytest.mark.skipif(not CONFINED, reason="without Landlock, workers can read and write what their user can "
+                                         "(README, threat model)")
+@pytest.mark.parametrize("name, evidence", [
+    ("read_reference", "PermissionError"),
+    ("read_hidden", "PermissionError"),
+    ("rewrite_the_kit", "PermissionError"),
+    ("kill_the_judge", "PermissionError" if landlock_abi() >= 6 else "Error"),
+])
+def test_confinement_refuses_and_the_refusal_is_reported(graded, name, evidence):
+    text = _outputs(graded[0][name])
+    assert evidence in text, f"{name}: {text[:2000]}"
 
 
 def test_no_process_outlives_its_grading(graded):
@@ -80,7 +119,7 @@ def test_no_process_outlives_its_grading(graded):
 
 def test_hang_and_memory_and_output_are_contained(graded):
     results, out = graded
-    assert any("time limit" in t.output for t in results["sleep_forever"].tests)
-    assert any("MemoryError" in t.output or "exited during" in t.output for t in results["out_of_memory"].tests)
+    assert any("made no progress for 5 s" in t.output for t in results["sleep_forever"].tests)
+    assert any("MemoryError" in t.output or "without reporting" in t.output for t in results["out_of_memory"].tests)
     size = (out / "flood_output" / "results.json").stat().st_size
     assert size < 2_000_000, f"results.json of flood_output is {size} bytes: output must be truncated"

@@ -115,8 +115,26 @@ def test_a_changed_submission_is_regraded_and_force_regrades_all(toy, tmp_path):
     (folder / "b" / "student" / "toy.py").write_text(toy_kit.solution().replace("return 2 * x", "return x + x + 1"))
     second = toy_kit.run(toy, *cmd)
     assert "skipped 1 submission(s)" in second.stdout and gradebook(out)["b"]["score"] == "3", second.stdout
+    assert "regraded b: its files changed" in second.stdout, second.stdout
     forced = toy_kit.run(toy, *cmd, "--force")
     assert "skipped" not in forced.stdout and {ln.split()[0] for ln in forced.stdout.splitlines()[:2]} == {"a", "b"}
+
+
+def test_a_changed_test_or_limit_regrades_and_says_why(tmp_path):
+    """A grade stands only for the kit, tests and limits it was graded under (the resume hash covers them)."""
+    kit = toy_kit.make(tmp_path / "kit")
+    folder, out = tmp_path / "batch", tmp_path / "grades"
+    toy_kit.submission(folder, "a", toy_kit.solution())
+    cmd = ["grade", "--batch", str(folder), "--out", str(out), "--stage", "7"]
+    assert toy_kit.run(kit, *cmd).returncode == 0
+    assert "skipped 1 submission(s)" in toy_kit.run(kit, *cmd).stdout
+    test_file = kit / "tests" / "test_stage7_toy.py"
+    test_file.write_text(test_file.read_text().replace("== 5", "== 2 + 3"))
+    changed = toy_kit.run(kit, *cmd)
+    assert "skipped" not in changed.stdout, changed.stdout
+    assert "regraded a: the kit, the tests or their recorded timings changed" in changed.stdout, changed.stdout
+    stricter = toy_kit.run(kit, *cmd, "--idle-limit", "7")
+    assert "regraded a: the grading limits changed" in stricter.stdout, stricter.stdout
 
 
 def test_a_killed_grader_leaves_no_process_behind(toy, tmp_path):
