@@ -17,12 +17,12 @@ import math
 
 from kit.validate import choice, index, instance, positive_int, positive_number
 
-from ..zero import ZERO_STAGES, zero_memory_accounting
 from .expert_parallel import expert_capacity
 from .pipeline_parallel import split_layers
 from .train_4d import Train4DConfig
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send", "recv")
+ZERO_STAGES = (0, 1, 2, 3)  # 0 is plain data parallelism
 
 
 def training_state_bytes(num_params: float, *, zero_stage: int = 0, dp: int = 1, param_bytes: int = 2,
@@ -30,10 +30,10 @@ def training_state_bytes(num_params: float, *, zero_stage: int = 0, dp: int = 1,
     """Bytes per device of weights, gradients and optimizer state for ``num_params`` parameters.
 
     ZeRO stage 0 replicates all three on each of the ``dp`` ranks; stage 1 shards the optimizer state,
-    stage 2 also the gradients, stage 3 also the weights (each sharded part is ⌈Ψ/dp⌉ parameters).
-    This is Stage 5's :func:`~reference.zero.zero_memory_accounting` — the one ZeRO formula of the kit —
-    for ⌈num_params⌉ parameters, under this module's keys. Returns ``{"weights", "gradients",
-    "optimizer", "total"}`` in bytes.
+    stage 2 also the gradients, stage 3 also the weights (each sharded part is ⌈Ψ/dp⌉ parameters, Ψ =
+    ⌈num_params⌉). The same formula as Stage 5's ``zero_memory_accounting``: written again here, so this
+    stage does not depend on Stage 5 being done. Returns ``{"weights", "gradients", "optimizer", "total"}``
+    in bytes.
 
     Raises:
         TypeError: ``dp`` or a byte count that is not an int, ``num_params`` not a number.
@@ -42,11 +42,14 @@ def training_state_bytes(num_params: float, *, zero_stage: int = 0, dp: int = 1,
     positive_number("num_params", num_params)
     positive_int("dp", dp)
     choice("zero_stage", zero_stage, ZERO_STAGES)
-    # BEGIN SOLUTION Stage 5's zero_memory_accounting, its fields under this module's keys (handout 06 §6.1)
-    zero = zero_memory_accounting(math.ceil(num_params), dp, zero_stage, param_bytes=param_bytes,
-                                  grad_bytes=grad_bytes, optimizer_bytes_per_param=optimizer_bytes)
-    return {"weights": zero.param_bytes, "gradients": zero.grad_bytes, "optimizer": zero.optimizer_bytes,
-            "total": zero.total_bytes}
+    # BEGIN SOLUTION each of weights, gradients, optimizer state: Ψ, or ⌈Ψ/dp⌉ from stage 3, 2, 1 on (handout 06 §6.1)
+    full = math.ceil(num_params)
+    shard = math.ceil(full / dp)
+    weights = (shard if zero_stage >= 3 else full) * param_bytes
+    gradients = (shard if zero_stage >= 2 else full) * grad_bytes
+    optimizer = (shard if zero_stage >= 1 else full) * optimizer_bytes
+    return {"weights": weights, "gradients": gradients, "optimizer": optimizer,
+            "total": weights + gradients + optimizer}
     # END SOLUTION
 
 
