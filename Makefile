@@ -76,12 +76,16 @@ autograder: setup ##@instructor build dist/autograder.zip for Gradescope (kit + 
 	$(PY) -m kit autograder
 
 RUNS ?= 20
-soak: setup ##@instructor run the graded reference suite RUNS times in a row; stops at the first failure (flakiness check)
+LOAD ?= 0
+soak: setup ##@instructor run the graded reference suite RUNS times; stops at the first failure (LOAD=2: two CPU hogs alongside)
 	@markers="$$($(PY) -m kit stages --marker-expression $(STAGE))" || exit 1; \
+	hogs=""; for i in $$(seq $(LOAD)); do (while :; do :; done) & hogs="$$hogs $$!"; done; \
+	trap 'kill $$hogs 2>/dev/null' EXIT INT TERM; \
+	[ $(LOAD) -gt 0 ] && echo "== $(LOAD) busy process(es) running alongside:$$hogs"; \
 	for i in $$(seq $(RUNS)); do \
-	    echo "== run $$i of $(RUNS) ($$(date +%T))"; \
+	    echo "== run $$i of $(RUNS) ($$(date +%T), load $$(cut -d' ' -f1 /proc/loadavg 2>/dev/null))"; \
 	    $(PY) -m pytest tests --impl reference -q -p no:cacheprovider -m "$$markers" || { echo "run $$i failed"; exit 1; }; \
-	done; echo "$(RUNS) consecutive green runs of the graded reference suite"
+	done; echo "$(RUNS) consecutive green runs of the graded reference suite$(if $(filter-out 0,$(LOAD)), with $(LOAD) busy processes alongside)"
 
 timings: setup ##@instructor record each graded test's reference time in tests/timings.json (the grader's per-test limits)
 	$(PY) -m kit grade --impl reference --hidden --record-timings $(if $(STAGE),--stage $(STAGE))

@@ -29,13 +29,37 @@ SETUP_SH = """#!/usr/bin/env bash
 # Gradescope runs this once while building the autograder image (Ubuntu, as root).
 set -euo pipefail
 cd "${AUTOGRADER_SOURCE:-/autograder/source}"
-if ! command -v python3 >/dev/null || ! python3 -c 'import sys; assert sys.version_info >= (3, 11)' 2>/dev/null; then
-    apt-get update && apt-get install -y python3 python3-pip python3-venv
+
+# A Python the kit supports (>= 3.11). Ubuntu 22.04's python3 is 3.10, and `apt-get install python3` gives
+# 3.10 again: look for python3.13 ... python3.11 first, then install one by its versioned name.
+supported() { "$1" -c 'import sys; sys.exit(sys.version_info < (3, 11))' >/dev/null 2>&1; }
+find_python() {
+    for candidate in python3 python3.13 python3.12 python3.11; do
+        if command -v "$candidate" >/dev/null && supported "$candidate"; then command -v "$candidate"; return 0; fi
+    done
+    return 1
+}
+if ! PYTHON=$(find_python); then
+    echo "setup.sh: no Python >= 3.11 here (python3 is $(python3 --version 2>&1 || echo missing)); installing one"
+    apt-get update >/dev/null || true
+    for version in 3.13 3.12 3.11; do
+        if apt-get install -y "python$version" "python$version-venv" >/dev/null 2>&1 && PYTHON=$(find_python); then
+            break
+        fi
+    done
 fi
-python3 -m venv .venv
+if ! PYTHON=$(find_python); then
+    echo "setup.sh: the kit needs Python >= 3.11, and none could be installed on this image" \\
+         "(python3 is $(python3 --version 2>&1 || echo missing)). Choose a base image with Python >= 3.11" \\
+         "in Gradescope's autograder settings (Ubuntu 24.04 has 3.12), or add the deadsnakes PPA here." >&2
+    exit 1
+fi
+echo "setup.sh: using $PYTHON ($("$PYTHON" --version 2>&1))"
+[ -n "${KIT_SETUP_CHECK_ONLY:-}" ] && exit 0
+"$PYTHON" -m venv .venv
 .venv/bin/python -m kit.bootstrap
-# Graded code runs as an unprivileged user that cannot write the kit or the results folder.
-id -u grader >/dev/null 2>&1 || useradd --create-home --shell /usr/sbin/nologin grader || true
+# Says whether this image meets the grader's floor (CPUs, memory, Landlock for confined workers).
+.venv/bin/python -m kit doctor --grader || true
 """
 
 RUN_AUTOGRADER = """#!/usr/bin/env bash
