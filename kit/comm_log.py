@@ -13,8 +13,11 @@ Every ``torch.distributed`` collective reaches the dispatcher as an operator ``t
 backward, torch's own DDP. :class:`CommLog` is a ``TorchDispatchMode`` that sees each one and records a
 canonical name, the bytes this rank hands in, the global ranks of its group and its ``async_op`` flag
 (read through the operator's schema, so positional and keyword calls look the same). While it is active,
-``Work.wait()`` is wrapped too: each wait is recorded with the collective it waits on. Functional
-collectives (``torch.ops._c10d_functional``) are recorded as well, their ``wait_tensor`` as a wait.
+every way of completing an async collective is recorded as a wait on it, whichever idiom the code uses:
+``Work.wait()``; the Work's future (``get_future()``) waited on directly, through a ``then()`` chain, or with
+``torch.futures.wait_all``/``collect_all``. Functional collectives (``torch.ops._c10d_functional``) are
+recorded as well, their ``wait_tensor`` as a wait (on the collective whose output it waits for). A
+blocking collective (``async_op=False``) needs no wait.
 
 Nothing needs the implementation's cooperation, and it observes only what any correct implementation
 must do: which collectives, how many bytes, on which group, and in which order relative to the marks.
@@ -113,6 +116,16 @@ def _group_ranks(group: Any) -> tuple[int, ...]:
         return ()
 
 
+def _storage_key(tensor: Any) -> int:
+    """Where a tensor's data lives (a wrapper subclass such as AsyncCollectiveTensor: its inner tensor's)."""
+    for candidate in (tensor, getattr(tensor, "elem", None)):
+        try:
+            return candidate.untyped_storage().data_ptr()
+        except Exception:  # noqa: BLE001 — a wrapper without storage of its own
+            continue
+    return id(tensor)
+
+
 def _bound(func: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
     """The operator's arguments by schema name, defaults filled in: positional and keyword calls alike."""
     schema = func._schema.arguments
@@ -128,7 +141,9 @@ class CommLog(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.events: list[Event] = []
-        self._works: dict[int, tuple[Any, int]] = {}  # id(Work) → (the Work, kept alive; its collective's index)
+        # id(Work or Future) → (the handle, kept alive; the indices of the collectives it completes)
+        self._works: dict[int, tuple[Any, list[int]]] = {}
+        self._outputs: dict[int, int] = {}  # a functional collective's output storage → its collective's index
 
     # -- recording ------------------------------------------------------------------------------------
 
@@ -146,8 +161,12 @@ class CommLog(TorchDispatchMode):
             bound = _bound(func, args, kwargs)
             self.events.append(Event("collective", FUNCTIONAL[name], _nbytes(args[0]),
                                      _group_ranks(bound.get("group_name")), async_op=True))
+            for tensor in out if isinstance(out, (list, tuple)) else [out]:
+                if isinstance(tensor, torch.Tensor):  # wait_tensor later names the collective by its output
+                    self._outputs[_storage_key(tensor)] = len(self.events) - 1
         elif namespace == "_c10d_functional" and name == "wait_tensor":
-            self.events.append(Event("wait"))
+            index = self._outputs.get(_storage_key(args[0])) if args else None
+            self.events.append(Event("wait", self.events[index].op if index is not None else "", target=index))
         return out
 
     def _collective(self, func, args, kwargs, out, op: str, payload: str | None) -> None:
@@ -161,27 +180,64 @@ class CommLog(TorchDispatchMode):
             work = dist.distributed_c10d.Work.unbox(work)  # the very object the caller gets back
         except Exception:
             return
-        self._works[id(work)] = (work, len(self.events) - 1)
+        self._works[id(work)] = (work, [len(self.events) - 1])
 
-    def _waited(self, work: Any) -> None:
-        _, index = self._works.get(id(work), (None, None))
-        op = self.events[index].op if index is not None else ""
-        self.events.append(Event("wait", op, target=index))
+    def _waited(self, handle: Any) -> None:
+        """A completion the caller waited for: a Work, or a Future of one (or of several, collect_all)."""
+        _, targets = self._works.get(id(handle), (None, [None]))
+        for index in targets:
+            op = self.events[index].op if index is not None else ""
+            self.events.append(Event("wait", op, target=index))
+
+    def _track(self, handle: Any, targets: list[int]) -> None:
+        if targets:
+            self._works[id(handle)] = (handle, targets)  # kept alive: pybind hands back this same wrapper
 
     def __enter__(self) -> CommLog:
-        self._original_wait = dist.distributed_c10d.Work.wait
-        log, original = self, self._original_wait
+        # Every way the caller can complete an async collective and see its result: Work.wait(); the Work's
+        # future (get_future) waited on, or chained with then() and that waited on, or collected with
+        # collect_all/wait_all. Functional collectives complete with wait_tensor (a dispatched op, above).
+        work_cls, future_cls, c = dist.distributed_c10d.Work, torch._C.Future, torch._C
+        self._originals = [(work_cls, "wait", work_cls.wait), (work_cls, "get_future", work_cls.get_future),
+                           (future_cls, "wait", future_cls.wait), (future_cls, "then", future_cls.then),
+                           (c, "_collect_all", c._collect_all)]
+        log = self
+        wait_work, get_future, wait_future, then, collect_all = (o[2] for o in self._originals)
 
-        def wait(work, *args, **kwargs):
+        def work_wait(work, *args, **kwargs):
             log._waited(work)
-            return original(work, *args, **kwargs)
+            return wait_work(work, *args, **kwargs)
 
-        dist.distributed_c10d.Work.wait = wait
+        def work_get_future(work, *args, **kwargs):
+            future = get_future(work, *args, **kwargs)
+            log._track(future, log._works.get(id(work), (None, []))[1])
+            return future
+
+        def future_wait(future, *args, **kwargs):
+            if id(future) in log._works:  # a future of no recorded collective completes nothing recorded
+                log._waited(future)
+            return wait_future(future, *args, **kwargs)
+
+        def future_then(future, *args, **kwargs):
+            chained = then(future, *args, **kwargs)
+            log._track(chained, log._works.get(id(future), (None, []))[1])
+            return chained
+
+        def collect(futures, *args, **kwargs):
+            combined = collect_all(futures, *args, **kwargs)
+            log._track(combined, [i for f in futures for i in log._works.get(id(f), (None, []))[1]])
+            return combined
+
+        work_cls.wait, work_cls.get_future, future_cls.wait, future_cls.then = (work_wait, work_get_future,
+                                                                                 future_wait, future_then)
+        c._collect_all = collect
         return super().__enter__()
 
     def __exit__(self, *exc: Any) -> None:
-        dist.distributed_c10d.Work.wait = self._original_wait
-        self._works.clear()  # release the Work handles
+        for owner, name, original in self._originals:
+            setattr(owner, name, original)
+        self._works.clear()  # release the Work and Future handles
+        self._outputs.clear()
         return super().__exit__(*exc)
 
     # -- reading --------------------------------------------------------------------------------------

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from torch import nn
 
-from kit.comm_log import CommLog, Event
+from kit.comm_log import CommLog, Event, events_from_data
 from kit.spawn import run_on_ranks
 
 
-def _record() -> list[Event]:
+def _record() -> list[dict]:
     sub = dist.new_group([1, 2])  # every rank calls new_group, members or not
     t = torch.ones(6)  # 24 bytes
     layer = nn.Linear(4, 2)  # weight: 8 floats = 32 bytes
@@ -33,11 +34,11 @@ def _record() -> list[Event]:
         out = torch.empty(3 * 5)
         dist.all_gather_single(out, torch.ones(5))  # hands in 20 bytes, receives 60
     dist.all_reduce(t)  # after the log closed: not recorded
-    return log.events
+    return log.as_data()
 
 
 def test_sees_every_collective_its_waits_and_marks() -> None:
-    per_rank = run_on_ranks(_record, 3, timeout=120)
+    per_rank = [events_from_data(data) for data in run_on_ranks(_record, 3, timeout=120)]
     for rank, events in enumerate(per_rank):
         text = ", ".join(map(str, events))
         collectives = [e for e in events if e.kind == "collective"]
@@ -67,3 +68,36 @@ def test_bytes_by_op_and_format() -> None:
     assert [e.op for e in log.collectives("all_reduce")] == ["all_reduce"] * 2
     assert log.format() == ("#0 all_reduce(8 B, async, group [0, 1]), #1 all_reduce(4 B, async, group [0]), "
                             "#2 send(16 B, group [0, 1]), done, wait(all_reduce #0)")
+
+
+def _complete_every_way() -> dict[str, str]:
+    """One async all-reduce (or two) completed by each idiom a correct DDP may use."""
+    ways = {
+        "Work.wait": lambda: dist.all_reduce(torch.ones(3), async_op=True).wait(),
+        "future.wait": lambda: dist.all_reduce(torch.ones(3), async_op=True).get_future().wait(),
+        "then().wait": lambda: dist.all_reduce(torch.ones(3), async_op=True).get_future().then(
+            lambda f: f.value()[0] / 2).wait(),
+        "wait_all": lambda: torch.futures.wait_all(
+            [dist.all_reduce(torch.ones(3), async_op=True).get_future() for _ in range(2)]),
+        "collect_all": lambda: torch.futures.collect_all(
+            [dist.all_reduce(torch.ones(3), async_op=True).get_future() for _ in range(2)]).wait(),
+        "functional wait_tensor": lambda: funcol.wait_tensor(funcol.all_reduce(torch.ones(3), "sum", dist.group.WORLD)),
+        "never waited": lambda: dist.all_reduce(torch.ones(3), async_op=True),
+    }
+    seen = {}
+    for name, complete in ways.items():
+        with CommLog() as log:
+            complete()
+        seen[name] = log.format()
+    dist.barrier()  # the unwaited one completes before the ranks leave
+    return seen
+
+
+def test_every_way_of_completing_a_collective_is_a_wait_on_it() -> None:
+    seen = run_on_ranks(_complete_every_way, 2, timeout=120)[0]
+    one, two = "#0 all_reduce(12 B, async, group [0, 1])", "#1 all_reduce(12 B, async, group [0, 1])"
+    for name in ("Work.wait", "future.wait", "then().wait", "functional wait_tensor"):
+        assert seen[name] == f"{one}, wait(all_reduce #0)", f"{name}: {seen[name]}"
+    for name in ("wait_all", "collect_all"):
+        assert seen[name] == f"{one}, {two}, wait(all_reduce #0), wait(all_reduce #1)", f"{name}: {seen[name]}"
+    assert seen["never waited"] == one, "a collective nobody completed has no wait"
