@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 import kit.impl
+from kit.model import TransformerLM, cross_entropy
 from tests.support.precision import stepwise
 
 
@@ -39,3 +40,19 @@ def scaler_scales(kwargs: dict, state: dict, xs: list) -> dict:
 def estimate(config, batch_size: int, context_length: int, dtype, policy) -> dict:
     return _precision().activation_memory_estimate(config, batch_size, context_length, dtype, device_type="cpu",
                                                    checkpoint_policy=policy)
+
+
+def checkpointed_saved_bytes(config, state: dict, policy, inputs: torch.Tensor, targets: torch.Tensor) -> int:
+    """What the implementation's saved_activation_bytes measures for one bf16 forward + loss of the judge's model,
+    checkpointed by the implementation's checkpointed(model, policy)."""
+    precision = _precision()
+    model = TransformerLM(config)
+    model.load_state_dict(state)
+    model = precision.checkpointed(model, policy)
+
+    def fn():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = model(inputs)
+        return cross_entropy(logits, targets)
+
+    return precision.saved_activation_bytes(fn)

@@ -10,7 +10,7 @@ import copy
 
 import pytest
 import torch
-from stage2_hidden_worker import estimate, scaler_scales
+from stage2_hidden_worker import checkpointed_saved_bytes, estimate, scaler_scales
 
 from kit.model import TransformerLM, get_config
 from kit.testing import assert_close, assert_equal
@@ -53,11 +53,19 @@ def test_hidden_estimate_mini_bf16_with_checkpoint(worker) -> None:
     inputs, targets = tokens[:, :-1].clone(), tokens[:, 1:].clone()  # separate storages, as a loader gives
     for policy, k in (("none", None), (2, 2)):
         # Measured here with the test's own hook, on a model the test checkpoints itself (torch.utils.checkpoint
-        # around each segment of k blocks), as the public test_activation_estimate_matches_measurement does; the
-        # test used to measure the implementation's checkpointed model with its saved_activation_bytes.
+        # around each segment of k blocks), as the public test_activation_estimate_matches_measurement does. The
+        # test used to compare the estimate with the implementation's own measurement (saved_activation_bytes of
+        # the model its checkpointed() made): that one comparison is now two against this measurement, the
+        # estimate's and the implementation's measurement's, so a mistake in either is still caught, by name.
         model = copy.deepcopy(base) if k is None else checkpointed_by_test(copy.deepcopy(base), k)
         measured = saved_bytes_independent(model, inputs, targets, torch.bfloat16)
         # The count is exact but for the loss's one 4-byte fp32 scalar: 16 bytes of slack, far below any item.
         est = worker.call(estimate, config, 1, 48, torch.bfloat16, policy)
         assert_close(torch.tensor(float(est["total"])), torch.tensor(float(measured)),
                      name=f"estimated bytes, mini bf16, policy {policy!r}", section="handout 02 §6", rtol=0, atol=16)
+        # The same forward measured by the same rules (handout 02 §6) on the same checkpointing (§7): equal but for
+        # 0-dim scalars, so the same 16 bytes.
+        theirs = worker.call(checkpointed_saved_bytes, config, base.state_dict(), policy, inputs, targets)
+        assert_close(torch.tensor(float(theirs)), torch.tensor(float(measured)),
+                     name=f"saved_activation_bytes of the mini model, bf16, checkpointed(model, {policy!r})",
+                     section="handout 02 §6 and §7", rtol=0, atol=16)
