@@ -34,7 +34,7 @@ from kit.checks import outcome_of
 from kit.model import TransformerLM, naive_attention
 from kit.testing import assert_close, assert_equal, assert_raised
 from tests.support.flash_attention import flash_class, run_named
-from tests.support.flash_attention import run as run_in_worker
+from tests.support.flash_attention import run as run_flash
 
 pytestmark = [
     pytest.mark.stage3,
@@ -78,9 +78,10 @@ def _run(name, q, k, v, do, is_causal, backward, permute=None, autotune=None) ->
         return run_named(name, q, k, v, do, is_causal, backward, permute=permute)
 
 
-def _run_repeatedly(name, q, k, v, do, is_causal, times) -> list[dict]:
-    """``times`` identical forward + backward passes, each as :func:`_run` returns it."""
-    return [run_named(name, q, k, v, do, is_causal, backward=True) for _ in range(times)]
+def _run_repeatedly(name, q, k, v, do, is_causal, times) -> dict:
+    """``times`` identical forward + backward passes: the first one's O, and the gradients of each."""
+    runs = [run_named(name, q, k, v, do, is_causal, backward=True) for _ in range(times)]
+    return {"o": runs[0]["o"], "grads": [r["grads"] for r in runs]}
 
 
 def _apply(name, q, k, v, is_causal) -> torch.Tensor:
@@ -201,7 +202,7 @@ def _compiled_kernels() -> list[dict]:
     def forward_and_backward():
         for dtype in (torch.float16, torch.float32):
             q, k, v, do = make_inputs((*COMPILE_BH, 40, 64), (*COMPILE_BH, 72, 64), dtype)
-            run_in_worker(fn, q, k, v, do, True, backward=True)
+            run_flash(fn, q, k, v, do, True, backward=True)
 
     launches = triton_compile.record_launches(forward_and_backward)
     root = Path(__file__).resolve().parent.parent
@@ -217,7 +218,7 @@ def _launches_for_many_heads() -> list[dict]:
 
     def forward_and_backward():
         q, k, v, do = make_inputs((MANY_HEADS, 1, 16), (MANY_HEADS, 1, 16), torch.float16)
-        run_in_worker(fn, q, k, v, do, True, backward=True)
+        run_flash(fn, q, k, v, do, True, backward=True)
 
     return [_launch_data(la) for la in triton_compile.record_launches(forward_and_backward, execute=False)]
 
@@ -712,13 +713,13 @@ def test_gpu_autotuned_kernels_are_right_and_deterministic(worker):
     running concurrently."""
     q, k, v, do = make_inputs((2, 8, 2048, 64), (2, 8, 2048, 64), torch.bfloat16, device="cuda")
     runs = worker.call(_run_repeatedly, "FlashAttentionTriton", q, k, v, do, True, 4)
-    o, first = runs[0]["o"], runs[0]["grads"]
+    o, (first, *others) = runs["o"], runs["grads"]
     o64, _, leaves = attention_float64(q, k, v, True)
     o64.backward(do.double())
     assert_close(o, o64, name="O (autotuned)", section="handout 03 §5", **tolerance(q, k, v, True, "o"))
     for name, grad, leaf in zip(("dQ", "dK", "dV"), first, leaves):
         assert_close(grad, leaf.grad, name=f"{name} (autotuned)", section="handout 03 §6",
                      **tolerance(q, k, v, True, name, do))
-    for again in runs[1:]:
-        for name, a, b in zip(("dQ", "dK", "dV"), first, again["grads"]):
+    for again in others:
+        for name, a, b in zip(("dQ", "dK", "dV"), first, again):
             assert torch.equal(a, b), f"{name} differs between identical backward passes. See handout 03 §6."
