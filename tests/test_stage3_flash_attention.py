@@ -5,22 +5,36 @@ and bf16 the rule is the flash-attention project's: the error against float64 ma
 (plus a small floor) the error of plain PyTorch attention run in that same low precision — a kernel
 is as accurate as the obvious implementation. fp32 must agree to 1e-4.
 
+The implementation runs in the worker (``worker.call``): the module-level functions in the first part
+below call it — with recording stand-ins where a test observes how it works (the largest tensor created,
+the matmul FLOPs, atomics, NaN-filled ``torch.empty``, the kernels launched and their compiled IR) — and
+return what they saw as data. The tests in the second part compute the float64 references and the
+tolerances here, in the judge, and compare.
+
 On a machine without CUDA the Triton kernels run in the Triton interpreter, so shapes are small; the
 ``gpu`` checks at the bottom run the compiled kernels at larger sizes where a GPU exists.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
+import tempfile
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
 
 import kit  # noqa: F401 — before triton: the interpreter on machines without CUDA
+import kit.impl
+from kit import triton_compile
+from kit.checks import outcome_of
 from kit.model import TransformerLM, naive_attention
-from kit.testing import assert_close, assert_equal
+from kit.testing import assert_close, assert_equal, assert_raised
+from tests.support.flash_attention import flash_class, run_named
+from tests.support.flash_attention import run as run_flash
 
 pytestmark = [
     pytest.mark.stage3,
@@ -34,13 +48,221 @@ DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 SHAPES = [((2, 97, 32), (2, 131, 32)), ((1, 2, 131, 16), (1, 2, 97, 16))]
 FLOOR = {torch.float16: 1e-4, torch.bfloat16: 1e-3}
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+COMPILE_BH = (2, 3)  # batch·heads = 6: no tile count of these shapes is 6, so the grid axis of BH is known
+MANY_HEADS = 65_600  # see test_triton_grids_fit_cuda_limits_for_many_heads
 
 
 def make_inputs(q_shape, kv_shape, dtype, device=DEVICE, seed=0):
+    """q, k, v, dO from a seeded generator: the judge and a worker that call it get the same tensors."""
     g = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(s, generator=g).to(device=device, dtype=dtype) for s in (q_shape, kv_shape, kv_shape))
     do = torch.randn(q_shape, generator=g).to(device=device, dtype=dtype)
     return q, k, v, do
+
+
+# ----------------------------------------------------------------------------------------------------
+# What runs in the worker: the implementation, called with recording stand-ins; data back
+# ----------------------------------------------------------------------------------------------------
+
+
+def _flash_attention():
+    return kit.impl.load().flash_attention
+
+
+def _run(name, q, k, v, do, is_causal, backward, permute=None, autotune=None) -> dict:
+    """O, saved tensors and gradients of ``flash_attention.<name>`` (tests/support/flash_attention.py);
+    ``autotune`` (a GPU): ``triton_config.AUTOTUNE`` set to it for the duration."""
+    with contextlib.ExitStack() as stack:
+        if autotune is not None:
+            stack.enter_context(mock.patch.object(_flash_attention().triton_config, "AUTOTUNE", autotune))
+        return run_named(name, q, k, v, do, is_causal, backward, permute=permute)
+
+
+def _run_repeatedly(name, q, k, v, do, is_causal, times) -> dict:
+    """``times`` identical forward + backward passes: the first one's O, and the gradients of each."""
+    runs = [run_named(name, q, k, v, do, is_causal, backward=True) for _ in range(times)]
+    return {"o": runs[0]["o"], "grads": [r["grads"] for r in runs]}
+
+
+def _apply(name, q, k, v, is_causal) -> torch.Tensor:
+    """``flash_attention.<name>.apply(q, k, v, is_causal)`` on the inputs as given (no autograd leaves)."""
+    return flash_class(name).apply(q, k, v, is_causal)
+
+
+def largest_tensor_created(fn) -> tuple[int, str]:
+    """The element count of the largest tensor any aten operation creates while ``fn()`` runs, and the op."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class LargestTensor(TorchDispatchMode):
+        largest, op = 0, None
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor) and t.numel() > self.largest:
+                    self.largest, self.op = t.numel(), str(func)
+            return out
+
+    mode = LargestTensor()
+    with mode:
+        fn()
+    return mode.largest, mode.op
+
+
+def _largest_tensors(n: int, d: int, backward: bool) -> dict:
+    """{is_causal: (largest tensor's elements, its op)} for a FlashAttentionPytorch forward or backward."""
+    fa = _flash_attention()
+    q, k, v, do = make_inputs((1, n, d), (1, n, d), torch.float32)
+    q.requires_grad_()
+    found = {}
+    for is_causal in (False, True):
+        if backward:
+            step = functools.partial(fa.FlashAttentionPytorch.apply(q, k, v, is_causal).backward, do)
+        else:
+            step = functools.partial(fa.FlashAttentionPytorch.apply, q, k, v, is_causal)
+        found[is_causal] = largest_tensor_created(step)
+    return found
+
+
+def matmul_flops(fn) -> int:
+    """Floating-point operations of the matrix multiplications (mm, bmm, addmm, …) ``fn()`` issues."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    counter = FlopCounterMode(display=False)
+    with counter:
+        fn()
+    return counter.get_total_flops()
+
+
+def _matmul_work(q, k, v, do) -> dict:
+    """{"forward"/"backward": {is_causal: matmul FLOPs}} of FlashAttentionPytorch."""
+    fa = _flash_attention().FlashAttentionPytorch
+    work = {"forward": {}, "backward": {}}
+    for is_causal in (False, True):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = []
+        work["forward"][is_causal] = matmul_flops(lambda: out.append(fa.apply(*leaves, is_causal)))  # noqa: B023
+        work["backward"][is_causal] = matmul_flops(lambda: out[0].backward(do))  # noqa: B023
+    return work
+
+
+def _triton_backward_twice(q, k, v, do) -> dict:
+    """The gradients of two identical Triton backward passes, and the atomic operations their kernels used."""
+    atomics = []
+    with contextlib.ExitStack() as stack:
+        if kit.triton_interpreted():
+            # Under the interpreter programs run one after another, so an atomic reduction would still be
+            # reproducible here; record atomics instead — on a GPU they make the summation order random.
+            from triton.runtime.interpreter import InterpreterBuilder
+
+            for name in ("create_atomic_rmw", "create_atomic_cas"):
+                original = getattr(InterpreterBuilder, name)
+
+                def recording(self, *args, _original=original, _name=name, **kwargs):
+                    atomics.append(_name)
+                    return _original(self, *args, **kwargs)
+
+                stack.enter_context(mock.patch.object(InterpreterBuilder, name, recording))
+        first = run_named("FlashAttentionTriton", q, k, v, do, True, backward=True)["grads"]
+        second = run_named("FlashAttentionTriton", q, k, v, do, True, backward=True)["grads"]
+    return {"first": first, "second": second, "atomics": atomics}
+
+
+@contextlib.contextmanager
+def nan_filled_empty():
+    """torch.empty / empty_like / new_empty return NaN-filled floats for the duration, as uninitialised GPU
+    memory may."""
+    with contextlib.ExitStack() as stack:
+        for owner, name in ((torch, "empty"), (torch, "empty_like"), (torch.Tensor, "new_empty")):
+            original = getattr(owner, name)
+
+            def filled(*args, _original=original, **kwargs):
+                out = _original(*args, **kwargs)
+                return out.fill_(float("nan")) if out.is_floating_point() else out
+
+            stack.enter_context(mock.patch.object(owner, name, filled))
+        yield
+
+
+def _triton_with_nan_filled_empty(q, k, v, do) -> dict:
+    with nan_filled_empty():
+        return run_named("FlashAttentionTriton", q, k, v, do, True, backward=True)
+
+
+def _launch_data(launch: triton_compile.Launch) -> dict:
+    return {"module": launch.module, "name": launch.name, "args": launch.args, "grid": launch.grid,
+            "options": launch.options}
+
+
+def _compiled_kernels() -> list[dict]:
+    """Records the kernels a causal forward + backward of FlashAttentionTriton launches (fp16 and fp32; Nq = 40
+    < Nk = 72, D = 64), compiles them for sm_90 in the worker's scratch, and returns each report as data."""
+    fn = _flash_attention().FlashAttentionTriton
+
+    def forward_and_backward():
+        for dtype in (torch.float16, torch.float32):
+            q, k, v, do = make_inputs((*COMPILE_BH, 40, 64), (*COMPILE_BH, 72, 64), dtype)
+            run_flash(fn, q, k, v, do, True, backward=True)
+
+    launches = triton_compile.record_launches(forward_and_backward)
+    root = Path(__file__).resolve().parent.parent
+    workdir = Path(tempfile.mkdtemp(prefix="sm90-"))
+    reports = triton_compile.compile_launches(launches, workdir, root) if launches else []
+    return [{"launch": _launch_data(r.launch), "error": r.error, "shared": r.shared, "ptxas": r.ptxas,
+             "ttir": r.ttir, "wgmma": r.wgmma} for r in reports]
+
+
+def _launches_for_many_heads() -> list[dict]:
+    """The launches (kernel, grid) of a forward + backward with batch·heads = MANY_HEADS, recorded, not run."""
+    fn = _flash_attention().FlashAttentionTriton
+
+    def forward_and_backward():
+        q, k, v, do = make_inputs((MANY_HEADS, 1, 16), (MANY_HEADS, 1, 16), torch.float16)
+        run_flash(fn, q, k, v, do, True, backward=True)
+
+    return [_launch_data(la) for la in triton_compile.record_launches(forward_and_backward, execute=False)]
+
+
+def _train_with_flash_attention(state: dict, tokens: torch.Tensor) -> dict:
+    """A tiny TransformerLM with flash_attention_fn, loaded with ``state``: its logits and gradients for the loss
+    mean(logits²)."""
+    fa = _flash_attention()
+    model = TransformerLM("tiny", attention_fn=fa.flash_attention_fn).to(DEVICE)
+    model.load_state_dict(state)
+    logits = model(tokens.to(DEVICE))
+    logits.float().square().mean().backward()
+    return {"logits": logits, "grads": [[name, p.grad] for name, p in model.named_parameters()]}
+
+
+def _flash_attention_by_backend(q, k, v) -> dict:
+    """flash_attention(q, k, v, is_causal=True, backend=…) for each backend."""
+    fa = _flash_attention()
+    return {backend: fa.flash_attention(q, k, v, is_causal=True, backend=backend) for backend in ("pytorch", "triton")}
+
+
+def _bad_input_outcomes(name: str, q, k, v, cases: list[str]) -> dict:
+    """The output shape of ``flash_attention.<name>`` on good input, then what each bad input in ``cases`` did."""
+    fn = flash_class(name)
+    shape = tuple(fn.apply(q, k, v, False).shape)
+    bad = {
+        "integer dtype": (q.to(torch.int32), k, v),
+        "mixed dtypes": (q, k.half(), v),
+        "head dims differ": (q, torch.randn(2, 24, 32), v),
+        "batch dims differ": (q, k[:1], v[:1]),
+        "k and v lengths differ": (q, k, v[:, :5]),
+        "devices differ": (q, k.to("meta"), v),
+        "unsupported head dim": (q[..., :12], k[..., :12], v[..., :12]),
+    }
+    return {"shape": shape, "outcomes": {case: outcome_of(fn.apply, *bad[case], False) for case in cases}}
+
+
+def _unknown_backend(q, k, v) -> dict:
+    return outcome_of(_flash_attention().flash_attention, q, k, v, backend="cuda")
+
+
+# ----------------------------------------------------------------------------------------------------
+# The judge's side: float64 references, tolerances, and the tests
+# ----------------------------------------------------------------------------------------------------
 
 
 def attention_float64(q, k, v, is_causal):
@@ -53,22 +275,19 @@ def attention_float64(q, k, v, is_causal):
     return torch.softmax(s, dim=-1) @ v, torch.logsumexp(s, dim=-1), (q, k, v)
 
 
-def run(fn, q, k, v, do, is_causal, backward):
-    """Output, saved tensors and (optionally) input gradients of ``fn.apply``."""
-    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
-    o = fn.apply(q, k, v, is_causal)
-    saved = o.grad_fn.saved_tensors if o.grad_fn is not None else ()
-    if backward:
-        o.backward(do)
-    return o.detach(), saved, (q.grad, k.grad, v.grad)
+def run(worker, name, q, k, v, do, is_causal, backward, **options):
+    """Output, saved tensors and (optionally) input gradients of ``flash_attention.<name>.apply``, run in the
+    worker (``options``: see :func:`_run`)."""
+    got = worker.call(_run, name, q, k, v, do, is_causal, backward, **options)
+    return got["o"], got["saved"], got["grads"]
 
 
-def check_forward(fn, dtype, is_causal):
+def check_forward(worker, name, dtype, is_causal):
     for q_shape, kv_shape in SHAPES:
         q, k, v, do = make_inputs(q_shape, kv_shape, dtype)
-        o, saved, _ = run(fn, q, k, v, do, is_causal, backward=False)
+        o, saved, _ = run(worker, name, q, k, v, do, is_causal, backward=False)
         o64, L64, _ = attention_float64(q, k, v, is_causal)
-        where = f"{fn.__name__} {dtype} causal={is_causal} q {q_shape} k/v {kv_shape}"
+        where = f"{name} {dtype} causal={is_causal} q {q_shape} k/v {kv_shape}"
         assert_equal(o.dtype, dtype, name=f"output dtype ({where})", section="handout 03 §2")
         assert_close(o, o64, name=f"O ({where})", section="handout 03 §1–§2", **tolerance(q, k, v, is_causal, "o"))
         L = saved_logsumexp(saved, q_shape, where)
@@ -76,18 +295,18 @@ def check_forward(fn, dtype, is_causal):
                      rtol=1e-4, atol=1e-4 if dtype == torch.float32 else 1e-3)
 
 
-def check_backward(fn, dtype, is_causal):
+def check_backward(worker, name, dtype, is_causal):
     for q_shape, kv_shape in SHAPES:
         q, k, v, do = make_inputs(q_shape, kv_shape, dtype)
-        _, _, grads = run(fn, q, k, v, do, is_causal, backward=True)
+        _, _, grads = run(worker, name, q, k, v, do, is_causal, backward=True)
         o64, _, leaves = attention_float64(q, k, v, is_causal)
         o64.backward(do.double())
-        where = f"{fn.__name__} {dtype} causal={is_causal} q {q_shape} k/v {kv_shape}"
-        for name, grad, leaf in zip(("dQ", "dK", "dV"), grads, leaves):
-            assert grad is not None, f"{name} is None ({where}): backward must return gradients for q, k, v"
-            assert_equal(grad.dtype, dtype, name=f"{name} dtype ({where})", section="handout 03 §3")
-            assert_close(grad, leaf.grad, name=f"{name} ({where})", section="handout 03 §3",
-                         **tolerance(q, k, v, is_causal, name, do))
+        where = f"{name} {dtype} causal={is_causal} q {q_shape} k/v {kv_shape}"
+        for gname, grad, leaf in zip(("dQ", "dK", "dV"), grads, leaves):
+            assert grad is not None, f"{gname} is None ({where}): backward must return gradients for q, k, v"
+            assert_equal(grad.dtype, dtype, name=f"{gname} dtype ({where})", section="handout 03 §3")
+            assert_close(grad, leaf.grad, name=f"{gname} ({where})", section="handout 03 §3",
+                         **tolerance(q, k, v, is_causal, gname, do))
 
 
 def tolerance(q, k, v, is_causal, quantity, do=None) -> dict:
@@ -117,19 +336,20 @@ def saved_logsumexp(saved, q_shape, where):
     return matches[0]
 
 
-def check_saved_tensors(fn):
+def check_saved_tensors(worker, name):
     q_shape, kv_shape = (2, 3, 40, 16), (2, 3, 72, 16)
     for is_causal in (False, True):
         q, k, v, do = make_inputs(q_shape, kv_shape, torch.float32)
-        o, saved, _ = run(fn, q, k, v, do, is_causal, backward=False)
-        where = f"{fn.__name__} causal={is_causal}"
+        o, saved, _ = run(worker, name, q, k, v, do, is_causal, backward=False)
+        where = f"{name} causal={is_causal}"
         shapes = sorted(tuple(t.shape) for t in saved)
         expected = sorted([q_shape, kv_shape, kv_shape, q_shape, q_shape[:-1]])
         assert_equal(shapes, expected, name=f"shapes of the saved tensors, expected q, k, v, o and L ({where})",
                      section="handout 03 §2")
-        for name, t in (("q", q), ("k", k), ("v", v), ("o", o)):
-            assert any(s.shape == t.shape and torch.equal(s.detach(), t) for s in saved), (
-                f"{where}: {name} is not among the saved tensors. See handout 03 §3.")
+        for tname, t in (("q", q), ("k", k), ("v", v), ("o", o)):
+            t = t.cpu()  # what the worker sent back is on the CPU
+            assert any(s.shape == t.shape and torch.equal(s, t) for s in saved), (
+                f"{where}: {tname} is not among the saved tensors. See handout 03 §3.")
         _, L64, _ = attention_float64(q, k, v, is_causal)
         assert_close(saved_logsumexp(saved, q_shape, where), L64, name=f"saved L ({where})", section="handout 03 §2",
                      rtol=1e-4, atol=1e-4)
@@ -141,47 +361,22 @@ def check_saved_tensors(fn):
 @pytest.mark.points(1)
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
-def test_pytorch_forward_matches_float64(impl, dtype, is_causal):
+def test_pytorch_forward_matches_float64(worker, dtype, is_causal):
     """FlashAttentionPytorch forward: O and L match float64 attention."""
-    check_forward(impl.flash_attention.FlashAttentionPytorch, dtype, is_causal)
+    check_forward(worker, "FlashAttentionPytorch", dtype, is_causal)
 
 
 @pytest.mark.points(2)
-def test_pytorch_saves_only_q_k_v_o_and_logsumexp(impl):
+def test_pytorch_saves_only_q_k_v_o_and_logsumexp(worker):
     """FlashAttentionPytorch saves exactly q, k, v, o and L (..., Nq)."""
-    check_saved_tensors(impl.flash_attention.FlashAttentionPytorch)
+    check_saved_tensors(worker, "FlashAttentionPytorch")
 
 
-def largest_tensor_created(fn) -> tuple[int, str]:
-    """The element count of the largest tensor any aten operation creates while ``fn()`` runs, and the op."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class LargestTensor(TorchDispatchMode):
-        largest, op = 0, None
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            for t in out if isinstance(out, (tuple, list)) else (out,):
-                if isinstance(t, torch.Tensor) and t.numel() > self.largest:
-                    self.largest, self.op = t.numel(), str(func)
-            return out
-
-    mode = LargestTensor()
-    with mode:
-        fn()
-    return mode.largest, mode.op
-
-
-def check_no_score_matrix(fa, backward: bool) -> None:
+def check_no_score_matrix(worker, backward: bool) -> None:
     n, d = 256, 16  # the score matrix has n² = 65,536 elements; a 64 × 64 tile has 4,096
-    q, k, v, do = make_inputs((1, n, d), (1, n, d), torch.float32)
-    q.requires_grad_()
+    found = worker.call(_largest_tensors, n, d, backward)
     for is_causal in (False, True):
-        if backward:
-            step = functools.partial(fa.FlashAttentionPytorch.apply(q, k, v, is_causal).backward, do)
-        else:
-            step = functools.partial(fa.FlashAttentionPytorch.apply, q, k, v, is_causal)
-        largest, op = largest_tensor_created(step)
+        largest, op = found[is_causal]
         assert largest <= n * n // 4, (
             f"{'backward' if backward else 'forward'}, causal={is_causal}: an operation ({op}) created a tensor "
             f"of {largest} elements — the full score matrix has {n * n}. Work on tiles of Q_TILE × K_TILE "
@@ -189,53 +384,37 @@ def check_no_score_matrix(fa, backward: bool) -> None:
 
 
 @pytest.mark.points(2)
-def test_pytorch_never_materialises_the_score_matrix(impl):
+def test_pytorch_never_materialises_the_score_matrix(worker):
     """The forward never creates a tensor the size of the Nq × Nk score matrix."""
-    check_no_score_matrix(impl.flash_attention, backward=False)
+    check_no_score_matrix(worker, backward=False)
 
 
 @pytest.mark.points(1)
-def test_pytorch_backward_never_materialises_the_score_matrix(impl):
+def test_pytorch_backward_never_materialises_the_score_matrix(worker):
     """The backward recomputes P tile by tile: no tensor the size of the score matrix."""
-    check_no_score_matrix(impl.flash_attention, backward=True)
+    check_no_score_matrix(worker, backward=True)
 
 
 @pytest.mark.points(1)
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
-def test_pytorch_backward_matches_float64(impl, dtype, is_causal):
+def test_pytorch_backward_matches_float64(worker, dtype, is_causal):
     """FlashAttentionPytorch backward: dQ, dK, dV match float64 autograd."""
-    check_backward(impl.flash_attention.FlashAttentionPytorch, dtype, is_causal)
-
-
-def matmul_flops(fn) -> int:
-    """Floating-point operations of the matrix multiplications (mm, bmm, addmm, …) ``fn()`` issues."""
-    from torch.utils.flop_counter import FlopCounterMode
-
-    counter = FlopCounterMode(display=False)
-    with counter:
-        fn()
-    return counter.get_total_flops()
+    check_backward(worker, "FlashAttentionPytorch", dtype, is_causal)
 
 
 @pytest.mark.points(2)
-def test_pytorch_causal_skips_masked_tiles(impl):
+def test_pytorch_causal_skips_masked_tiles(worker):
     """Causal FlashAttentionPytorch does about half the matmul work of non-causal, forward and backward."""
-    fa = impl.flash_attention.FlashAttentionPytorch
     # Error model: tiles of at most 128 rows (the score-matrix test allows no larger), so N = 512 is T ≥ 4
     # tiles a side. Skipping every tile the mask hides leaves T(T+1)/2 of T² tiles: (T+1)/2T ≤ 0.625 of
     # the work; not skipping does 1.0. Allowed: 0.625 + 0.05 for rounding of unequal tile shapes.
     n, d = 512, 16
     bound = (4 + 1) / (2 * 4) + 0.05
     q, k, v, do = make_inputs((1, n, d), (1, n, d), torch.float32)
-    work = {}
-    for is_causal in (False, True):
-        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-        out = []
-        work[is_causal, "forward"] = matmul_flops(lambda: out.append(fa.apply(*leaves, is_causal)))  # noqa: B023
-        work[is_causal, "backward"] = matmul_flops(lambda: out[0].backward(do))  # noqa: B023
+    work = worker.call(_matmul_work, q, k, v, do)
     for step in ("forward", "backward"):
-        full, causal = work[False, step], work[True, step]
+        full, causal = work[step][False], work[step][True]
         assert full > 0, f"the {step} issued no matrix multiplication (torch matmul / @) at all"
         assert causal <= bound * full, (
             f"causal {step}: {causal / 1e6:.1f} MFLOP of matmuls vs {full / 1e6:.1f} MFLOP non-causal (ratio "
@@ -244,9 +423,8 @@ def test_pytorch_causal_skips_masked_tiles(impl):
 
 
 @pytest.mark.points(1)
-def test_pytorch_forward_accumulates_in_fp32(impl):
+def test_pytorch_forward_accumulates_in_fp32(worker):
     """fp16 inputs, 4096 keys whose values average 24: Σ p·v ≈ 10⁵ overflows an fp16 accumulator."""
-    fa = impl.flash_attention.FlashAttentionPytorch
     # The running sums l = Σ exp(s − m) (≈ Nk) and acc = Σ exp(s − m) v (≈ Nk · 24 ≈ 10⁵) exceed fp16's
     # 65,504 or lose its 11-bit mantissa; accumulated in fp32 (as §2 says) O ≈ 24 is as accurate as
     # plain fp16 attention, whose matmul accumulates in fp32 — so the usual tolerance applies.
@@ -255,7 +433,7 @@ def test_pytorch_forward_accumulates_in_fp32(impl):
     k = torch.randn(1, 4096, 16, generator=g).half()
     v = (24 + torch.randn(1, 4096, 16, generator=g)).half()
     for is_causal in (False,):
-        o = fa.apply(q, k, v, is_causal)
+        o = worker.call(_apply, "FlashAttentionPytorch", q, k, v, is_causal)
         o64, L64, _ = attention_float64(q, k, v, is_causal)
         where = "fp16 q (1, 32, 16), k/v (1, 4096, 16), values ≈ 24"
         assert torch.isfinite(o).all(), (
@@ -271,46 +449,31 @@ def test_pytorch_forward_accumulates_in_fp32(impl):
 @pytest.mark.points(1)
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
-def test_triton_forward_matches_float64(impl, dtype, is_causal):
+def test_triton_forward_matches_float64(worker, dtype, is_causal):
     """FlashAttentionTriton forward kernel: O and L match float64 attention."""
-    check_forward(impl.flash_attention.FlashAttentionTriton, dtype, is_causal)
+    check_forward(worker, "FlashAttentionTriton", dtype, is_causal)
 
 
 @pytest.mark.points(2)
-def test_triton_saves_only_q_k_v_o_and_logsumexp(impl):
+def test_triton_saves_only_q_k_v_o_and_logsumexp(worker):
     """FlashAttentionTriton saves exactly q, k, v, o and L (..., Nq)."""
-    check_saved_tensors(impl.flash_attention.FlashAttentionTriton)
+    check_saved_tensors(worker, "FlashAttentionTriton")
 
 
 @pytest.mark.points(2)
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
-def test_triton_backward_matches_float64(impl, dtype, is_causal):
+def test_triton_backward_matches_float64(worker, dtype, is_causal):
     """FlashAttentionTriton backward kernels: dQ, dK, dV match float64 autograd."""
-    check_backward(impl.flash_attention.FlashAttentionTriton, dtype, is_causal)
+    check_backward(worker, "FlashAttentionTriton", dtype, is_causal)
 
 
 @pytest.mark.points(2)
-def test_triton_backward_is_deterministic(impl, monkeypatch):
+def test_triton_backward_is_deterministic(worker):
     """Two backward passes give bitwise-equal gradients, and no atomic read-modify-write is used."""
-    atomics = []
-    if kit.triton_interpreted():
-        # Under the interpreter programs run one after another, so an atomic reduction would still be
-        # reproducible here; record atomics instead — on a GPU they make the summation order random.
-        from triton.runtime.interpreter import InterpreterBuilder
-
-        for name in ("create_atomic_rmw", "create_atomic_cas"):
-            original = getattr(InterpreterBuilder, name)
-
-            def recording(self, *args, _original=original, _name=name, **kwargs):
-                atomics.append(_name)
-                return _original(self, *args, **kwargs)
-
-            monkeypatch.setattr(InterpreterBuilder, name, recording)
-    fn = impl.flash_attention.FlashAttentionTriton
     q, k, v, do = make_inputs((2, 2, 100, 32), (2, 2, 100, 32), torch.float16)
-    _, _, first = run(fn, q, k, v, do, True, backward=True)
-    _, _, second = run(fn, q, k, v, do, True, backward=True)
+    got = worker.call(_triton_backward_twice, q, k, v, do)
+    first, second, atomics = got["first"], got["second"], got["atomics"]
     for name, a, b in zip(("dQ", "dK", "dV"), first, second):
         assert torch.equal(a, b), (f"{name} differs between two identical backward passes (max |diff| "
                                    f"{(a.float() - b.float()).abs().max().item():.3g}). See handout 03 §6.")
@@ -319,26 +482,13 @@ def test_triton_backward_is_deterministic(impl, monkeypatch):
                          "(handout 03 §6).")
 
 
-def nan_filled_empty(monkeypatch) -> None:
-    """Make torch.empty / empty_like / new_empty return NaN-filled floats, as uninitialised GPU memory may."""
-    for owner, name in ((torch, "empty"), (torch, "empty_like"), (torch.Tensor, "new_empty")):
-        original = getattr(owner, name)
-
-        def filled(*args, _original=original, **kwargs):
-            out = _original(*args, **kwargs)
-            return out.fill_(float("nan")) if out.is_floating_point() else out
-
-        monkeypatch.setattr(owner, name, filled)
-
-
 @pytest.mark.points(1)
-def test_triton_causal_keys_no_query_reaches_get_zero_gradients(impl, monkeypatch):
+def test_triton_causal_keys_no_query_reaches_get_zero_gradients(worker):
     """Causal, Nq = 40 < Nk = 200: key rows j ≥ 40 are seen by no query, so their dK and dV are exactly 0 —
     even when freshly allocated memory holds garbage (here: NaN)."""
-    fn = impl.flash_attention.FlashAttentionTriton
-    nan_filled_empty(monkeypatch)
     q, k, v, do = make_inputs((1, 2, 40, 16), (1, 2, 200, 16), torch.float32)
-    o, _, grads = run(fn, q, k, v, do, True, backward=True)
+    got = worker.call(_triton_with_nan_filled_empty, q, k, v, do)
+    o, grads = got["o"], got["grads"]
     assert torch.isfinite(o).all(), "O has non-finite values: a buffer from torch.empty was read before written"
     where = "causal, q (1, 2, 40, 16), k/v (1, 2, 200, 16), torch.empty returning NaN"
     assert torch.isfinite(grads[0]).all(), (
@@ -359,12 +509,13 @@ def test_triton_causal_keys_no_query_reaches_get_zero_gradients(impl, monkeypatc
 
 @pytest.mark.points(1)
 @pytest.mark.parametrize("name", ["FlashAttentionPytorch", "FlashAttentionTriton"])
-def test_strided_view_inputs(impl, name):
+def test_strided_view_inputs(worker, name):
     """q, k, v, dO as (B, H, T, D) views of (T, B, H, D) tensors (not contiguous): same results."""
-    fn = getattr(impl.flash_attention, name)
     g = torch.Generator().manual_seed(3)
-    q, k, v, do = (torch.randn(n, 2, 3, 16, generator=g).permute(1, 2, 0, 3) for n in (40, 56, 56, 40))
-    o, _, grads = run(fn, q, k, v, do, True, backward=True)
+    base = [torch.randn(n, 2, 3, 16, generator=g) for n in (40, 56, 56, 40)]
+    q, k, v, do = (t.permute(1, 2, 0, 3) for t in base)
+    # The worker makes the same views of the same (T, B, H, D) tensors, so it sees exactly these strides.
+    o, _, grads = run(worker, name, *base, True, backward=True, permute=(1, 2, 0, 3))
     o64, _, leaves = attention_float64(q, k, v, True)
     o64.backward(do.double())
     where = f"{name}, causal, (B, H, T, D) = permute(1, 2, 0, 3) of (T, B, H, D), strides {q.stride()}"
@@ -377,39 +528,33 @@ def test_strided_view_inputs(impl, name):
 # lists, raise, data-dependent Python control flow…) and cannot show what exists only in a compiled kernel.
 # kit.triton_compile records the kernels FlashAttentionTriton really launches (whatever they are called,
 # whatever their parameters), then compiles exactly those for a Hopper GPU (sm_90) with the interpreter
-# off — no GPU needed — and the tests below read the compiler's verdict and its IR.
-COMPILE_BH = (2, 3)  # batch·heads = 6: no tile count of these shapes is 6, so the grid axis of BH is known
+# off — no GPU needed. Both happen in the worker (the kernels are the implementation's code); the compiler's
+# verdict and its IR come back as data, and the tests below read them here.
 _COMPILED: dict[str, tuple] = {}
 
 
-def compiled_kernels(impl, tmp_path_factory) -> tuple[int, list]:
+def _launch(data: dict) -> triton_compile.Launch:
+    return triton_compile.Launch(data["module"], data["name"], data["args"], tuple(data["grid"]), data["options"])
+
+
+def compiled_kernels(worker) -> tuple[int, list]:
     """(batch·heads, [CompileReport]) for the fp16 and fp32 launches of a causal forward + backward
     (Nq = 40 < Nk = 72, D = 64): fp16 takes the GPU path (tensor cores, no upcast) even in the
-    interpreter, fp32 the exact-precision one."""
-    from kit import triton_compile
-
-    if impl.package not in _COMPILED:
-        fn = impl.flash_attention.FlashAttentionTriton
-
-        def forward_and_backward():
-            for dtype in (torch.float16, torch.float32):
-                q, k, v, do = make_inputs((*COMPILE_BH, 40, 64), (*COMPILE_BH, 72, 64), dtype)
-                run(fn, q, k, v, do, True, backward=True)
-
-        launches = triton_compile.record_launches(forward_and_backward)
-        root = Path(__file__).resolve().parent.parent
-        reports = triton_compile.compile_launches(launches, tmp_path_factory.mktemp("sm90"), root) if launches else []
-        _COMPILED[impl.package] = (math.prod(COMPILE_BH), reports)
-    return _COMPILED[impl.package]
+    interpreter, fp32 the exact-precision one. Compiled once per session, in the worker."""
+    package = kit.impl.selected()
+    if package not in _COMPILED:
+        reports = [triton_compile.CompileReport(_launch(r["launch"]), error=r["error"], shared=r["shared"],
+                                                ptxas=r["ptxas"], ttir=r["ttir"], wgmma=r["wgmma"])
+                   for r in worker.call(_compiled_kernels)]
+        _COMPILED[package] = (math.prod(COMPILE_BH), reports)
+    return _COMPILED[package]
 
 
 @pytest.mark.points(2)
-def test_triton_kernels_compile_for_a_gpu(impl, tmp_path_factory):
+def test_triton_kernels_compile_for_a_gpu(worker):
     """Every kernel the forward and backward launch compiles for a Hopper GPU (sm_90) with the
     interpreter off, and fits its shared memory — no GPU needed."""
-    from kit import triton_compile
-
-    _, reports = compiled_kernels(impl, tmp_path_factory)
+    _, reports = compiled_kernels(worker)
     assert reports, ("FlashAttentionTriton launched no @triton.jit kernel: the forward and backward must run "
                      "Triton kernels (kernel[grid](...)), not PyTorch code (handout 03 §5).")
     for r in reports:
@@ -426,11 +571,9 @@ def test_triton_kernels_compile_for_a_gpu(impl, tmp_path_factory):
 
 
 @pytest.mark.points(1)
-def test_triton_fp32_matmuls_run_at_ieee_precision(impl, tmp_path_factory):
+def test_triton_fp32_matmuls_run_at_ieee_precision(worker):
     """Compiled for a GPU, every fp32 tl.dot is exact fp32 (input_precision="ieee"), not TF32."""
-    from kit import triton_compile
-
-    _, reports = compiled_kernels(impl, tmp_path_factory)
+    _, reports = compiled_kernels(worker)
     assert reports and not any(r.error for r in reports), "the kernels must compile first (see the compile test)"
     for r in reports:
         bad = triton_compile.tf32_dots(r.ttir)
@@ -442,11 +585,9 @@ def test_triton_fp32_matmuls_run_at_ieee_precision(impl, tmp_path_factory):
 
 
 @pytest.mark.points(1)
-def test_triton_batch_head_offsets_are_64_bit(impl, tmp_path_factory):
+def test_triton_batch_head_offsets_are_64_bit(worker):
     """Compiled for a GPU, the batch·head program id times a stride is computed in 64 bits."""
-    from kit import triton_compile
-
-    bh, reports = compiled_kernels(impl, tmp_path_factory)
+    bh, reports = compiled_kernels(worker)
     assert reports and not any(r.error for r in reports), "the kernels must compile first (see the compile test)"
     for r in reports:
         axis = triton_compile.batch_head_axis(r.launch, bh)
@@ -464,22 +605,13 @@ def test_triton_batch_head_offsets_are_64_bit(impl, tmp_path_factory):
 # 65,600 (e.g. 512 sequences × 128 heads, then some) must therefore not sit on axis 1 or 2. The interpreter
 # would take minutes to run 65,600 programs and never enforces the limit, so the kernels are recorded
 # (kernel, grid) without being run: the check reads only the grids the launchers ask for.
-MANY_HEADS = 65_600
 CUDA_GRID_LIMITS = (2**31 - 1, 65_535, 65_535)
 
 
 @pytest.mark.points(1)
-def test_triton_grids_fit_cuda_limits_for_many_heads(impl):
+def test_triton_grids_fit_cuda_limits_for_many_heads(worker):
     """With batch·heads = 65,600 every forward and backward launch grid fits CUDA's per-axis limits."""
-    from kit import triton_compile
-
-    fn = impl.flash_attention.FlashAttentionTriton
-
-    def forward_and_backward():
-        q, k, v, do = make_inputs((MANY_HEADS, 1, 16), (MANY_HEADS, 1, 16), torch.float16)
-        run(fn, q, k, v, do, True, backward=True)
-
-    launches = triton_compile.record_launches(forward_and_backward, execute=False)
+    launches = [_launch(d) for d in worker.call(_launches_for_many_heads)]
     assert launches, ("FlashAttentionTriton launched no @triton.jit kernel: the forward and backward must run "
                       "Triton kernels (kernel[grid](...)), not PyTorch code (handout 03 §5).")
     for la in launches:
@@ -496,55 +628,57 @@ def test_triton_grids_fit_cuda_limits_for_many_heads(impl):
 
 
 @pytest.mark.points(3)
-def test_flash_attention_trains_the_transformer(impl):
+def test_flash_attention_trains_the_transformer(worker):
     """flash_attention_fn is a drop-in for TransformerLM: same logits and gradients as naive attention."""
-    fa = impl.flash_attention
     torch.manual_seed(0)
     naive_model = TransformerLM("tiny").to(DEVICE)
-    flash_model = TransformerLM("tiny", attention_fn=fa.flash_attention_fn).to(DEVICE)
-    flash_model.load_state_dict(naive_model.state_dict())
+    # Built where the flash model used to be, drawing the same random numbers: the tokens are the same as ever.
+    TransformerLM("tiny")
     tokens = torch.randint(0, naive_model.config.vocab_size, (1, 40), device=DEVICE)
-    logits = []
-    for model in (naive_model, flash_model):
-        logits.append(model(tokens))
-        logits[-1].float().square().mean().backward()
-    assert_close(logits[1], logits[0], name="logits with flash_attention_fn", section="handout 03 §8",
+    # The worker builds the same model with flash_attention_fn, loads these weights and runs the same step.
+    state = {name: t.cpu() for name, t in naive_model.state_dict().items()}
+    flash = worker.call(_train_with_flash_attention, state, tokens.cpu())
+    naive_logits = naive_model(tokens)
+    naive_logits.float().square().mean().backward()
+    assert_close(flash["logits"], naive_logits, name="logits with flash_attention_fn", section="handout 03 §8",
                  rtol=1e-4, atol=1e-4)
-    for (name, p_flash), p_naive in zip(flash_model.named_parameters(), naive_model.parameters()):
-        assert_close(p_flash.grad, p_naive.grad, name=f"gradient of {name} with flash_attention_fn",
+    for (name, p_flash_grad), p_naive in zip(flash["grads"], naive_model.parameters()):
+        assert_close(p_flash_grad, p_naive.grad, name=f"gradient of {name} with flash_attention_fn",
                      section="handout 03 §8", rtol=1e-3, atol=1e-5)
     # The convenience function routes to either implementation.
     q, k, v, _ = make_inputs((1, 33, 16), (1, 45, 16), torch.float32)
     o64, _, _ = attention_float64(q, k, v, True)
+    by_backend = worker.call(_flash_attention_by_backend, q, k, v)
     for backend in ("pytorch", "triton"):
-        assert_close(fa.flash_attention(q, k, v, is_causal=True, backend=backend), o64,
-                     name=f"flash_attention(backend={backend!r})", section="handout 03 §8", rtol=1e-4, atol=1e-4)
+        assert_close(by_backend[backend], o64, name=f"flash_attention(backend={backend!r})",
+                     section="handout 03 §8", rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.points(2)
-def test_bad_inputs_raise_clear_errors(impl):
+def test_bad_inputs_raise_clear_errors(worker):
     """Bad input gives a TypeError/ValueError that names what is wrong (after good input works)."""
-    fa = impl.flash_attention
     q, k, v, _ = make_inputs((2, 20, 16), (2, 24, 16), torch.float32)
-    for fn in (fa.FlashAttentionPytorch, fa.FlashAttentionTriton):
-        o = fn.apply(q, k, v, False)
-        assert o.shape == q.shape, f"{fn.__name__} output shape {tuple(o.shape)}, expected {tuple(q.shape)}"
+    for name in ("FlashAttentionPytorch", "FlashAttentionTriton"):
+        # What each bad call must raise, naming what; the worker builds the arguments (a "meta" k, q[..., :12]…).
         bad = {
-            "integer dtype": ((q.to(torch.int32), k, v), TypeError, "q must be float32"),
-            "mixed dtypes": ((q, k.half(), v), TypeError, "dtype"),
-            "head dims differ": ((q, torch.randn(2, 24, 32), v), ValueError, "head dimension"),
-            "batch dims differ": ((q, k[:1], v[:1]), ValueError, "leading"),
-            "k and v lengths differ": ((q, k, v[:, :5]), ValueError, "keys"),
-            "devices differ": ((q, k.to("meta"), v), ValueError, "device"),
+            "integer dtype": (TypeError, "q must be float32"),
+            "mixed dtypes": (TypeError, "dtype"),
+            "head dims differ": (ValueError, "head dimension"),
+            "batch dims differ": (ValueError, "leading"),
+            "k and v lengths differ": (ValueError, "keys"),
+            "devices differ": (ValueError, "device"),
         }
-        if fn is fa.FlashAttentionTriton:
-            bad["unsupported head dim"] = ((q[..., :12], k[..., :12], v[..., :12]), ValueError, "head dimension")
-        for case, (args, error, phrase) in bad.items():
-            with pytest.raises(error, match=phrase):
-                fn.apply(*args, False)
-            print(f"{fn.__name__}: {case} → {error.__name__}")
-    with pytest.raises(ValueError, match="backend"):
-        fa.flash_attention(q, k, v, backend="cuda")
+        if name == "FlashAttentionTriton":
+            bad["unsupported head dim"] = (ValueError, "head dimension")
+        got = worker.call(_bad_input_outcomes, name, q, k, v, list(bad))
+        shape = tuple(got["shape"])
+        assert shape == q.shape, f"{name} output shape {shape}, expected {tuple(q.shape)}"
+        for case, (error, phrase) in bad.items():
+            assert_raised(got["outcomes"][case], error, phrase, what=f"{name}.apply with {case}",
+                          section="handout 03, problem 3.5")
+            print(f"{name}: {case} → {error.__name__}")
+    assert_raised(worker.call(_unknown_backend, q, k, v), ValueError, "backend",
+                  what="flash_attention(backend='cuda')", section="handout 03, problem 3.5")
 
 
 # ------------------------------------------------------------------------------------ GPU checks (no points)
@@ -553,16 +687,15 @@ def test_bad_inputs_raise_clear_errors(impl):
 @pytest.mark.gpu
 @pytest.mark.parametrize("head_dim", [16, 32, 64, 128])
 @pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
-def test_gpu_compiled_kernels_match_float64(impl, dtype, head_dim, monkeypatch):
+def test_gpu_compiled_kernels_match_float64(worker, dtype, head_dim):
     """Compiled Triton kernels at larger, odd sizes, every dtype and head dim, causal and not."""
-    # The fixed launch configs: autotuning every variant here would compile hundreds of kernels.
-    monkeypatch.setattr(impl.flash_attention.triton_config, "AUTOTUNE", False)
-    fn = impl.flash_attention.FlashAttentionTriton
     for is_causal in (False, True):
         for q_shape, kv_shape in [((2, 4, 1000, head_dim), (2, 4, 1000, head_dim)),
                                   ((3, 517, head_dim), (3, 1531, head_dim))]:
             q, k, v, do = make_inputs(q_shape, kv_shape, dtype, device="cuda")
-            o, saved, grads = run(fn, q, k, v, do, is_causal, backward=True)
+            # The fixed launch configs: autotuning every variant here would compile hundreds of kernels.
+            o, saved, grads = run(worker, "FlashAttentionTriton", q, k, v, do, is_causal, backward=True,
+                                  autotune=False)
             o64, L64, leaves = attention_float64(q, k, v, is_causal)
             o64.backward(do.double())
             where = f"GPU {dtype} D={head_dim} causal={is_causal} q {q_shape} k/v {kv_shape}"
@@ -575,19 +708,18 @@ def test_gpu_compiled_kernels_match_float64(impl, dtype, head_dim, monkeypatch):
 
 
 @pytest.mark.gpu
-def test_gpu_autotuned_kernels_are_right_and_deterministic(impl):
+def test_gpu_autotuned_kernels_are_right_and_deterministic(worker):
     """Autotuned kernels (bf16): correct, and the backward bitwise reproducible with programs really
     running concurrently."""
-    fn = impl.flash_attention.FlashAttentionTriton
     q, k, v, do = make_inputs((2, 8, 2048, 64), (2, 8, 2048, 64), torch.bfloat16, device="cuda")
-    o, _, first = run(fn, q, k, v, do, True, backward=True)
+    runs = worker.call(_run_repeatedly, "FlashAttentionTriton", q, k, v, do, True, 4)
+    o, (first, *others) = runs["o"], runs["grads"]
     o64, _, leaves = attention_float64(q, k, v, True)
     o64.backward(do.double())
     assert_close(o, o64, name="O (autotuned)", section="handout 03 §5", **tolerance(q, k, v, True, "o"))
     for name, grad, leaf in zip(("dQ", "dK", "dV"), first, leaves):
         assert_close(grad, leaf.grad, name=f"{name} (autotuned)", section="handout 03 §6",
                      **tolerance(q, k, v, True, name, do))
-    for _ in range(3):
-        _, _, again = run(fn, q, k, v, do, True, backward=True)
+    for again in others:
         for name, a, b in zip(("dQ", "dK", "dV"), first, again):
             assert torch.equal(a, b), f"{name} differs between identical backward passes. See handout 03 §6."

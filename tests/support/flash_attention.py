@@ -1,0 +1,37 @@
+"""Stage 3's worker-side harness, shared by the public tests and the hidden tests' worker half.
+
+Everything here runs in a worker (it calls the implementation); the judge only reads the data it returns.
+"""
+
+from __future__ import annotations
+
+import kit.impl
+
+
+def run(fn, q, k, v, do, is_causal, backward) -> dict:
+    """In a worker: output, saved tensors and (optionally) input gradients of ``fn.apply``, as data —
+    ``{"o": O, "saved": [tensors autograd saved], "grads": [dQ, dK, dV] (None where not computed)}``."""
+    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+    o = fn.apply(q, k, v, is_causal)
+    saved = list(o.grad_fn.saved_tensors) if o.grad_fn is not None else []
+    if backward:
+        o.backward(do)
+    return {"o": o.detach(), "saved": saved, "grads": [q.grad, k.grad, v.grad]}
+
+
+def flash_class(name: str):
+    """The implementation's ``flash_attention.<name>`` (``FlashAttentionPytorch`` or ``FlashAttentionTriton``)."""
+    if name not in ("FlashAttentionPytorch", "FlashAttentionTriton"):
+        raise ValueError(f"no such FlashAttention class: {name!r}")
+    return getattr(kit.impl.load().flash_attention, name)
+
+
+def run_named(name: str, q, k, v, do, is_causal, backward, permute: tuple[int, ...] | None = None) -> dict:
+    """:func:`run` of ``flash_attention.<name>``; with ``permute``, on ``t.permute(*permute)`` of each input
+    (a non-contiguous view, made here so that its strides are exactly those the judge describes)."""
+    if permute is not None:
+        q, k, v, do = (t.permute(*permute) for t in (q, k, v, do))
+    return run(flash_class(name), q, k, v, do, is_causal, backward)
+
+
+__all__ = ["flash_class", "run", "run_named"]
