@@ -154,13 +154,20 @@ def _rank(request: dict) -> dict:
                                 world_size=world, timeout=datetime.timedelta(seconds=request["timeout"]))
     except BaseException as exc:  # noqa: BLE001
         return {"ok": False, "failure": error_report(exc)}
+    return _run(request["fn"], request["args"], request["kwargs"])
+
+
+def _leave_process_group() -> None:
+    # After the rank's report is sent, never before: destroying the group closes gloo's connections, and a peer
+    # still in a collective then fails with "Connection closed by peer" — a report that must not overtake the
+    # cause's own.
+    import torch.distributed as dist
+
     try:
-        return _run(request["fn"], request["args"], request["kwargs"])
-    finally:
-        try:
+        if dist.is_initialized():
             dist.destroy_process_group()
-        except Exception:  # noqa: BLE001
-            pass
+    except Exception:  # noqa: BLE001
+        pass
 
 
 def serve(channel: Connection) -> None:
@@ -194,7 +201,10 @@ def serve(channel: Connection) -> None:
         if op == "call":
             send(_run(request["fn"], request["args"], request["kwargs"]))
         elif op == "rank":
-            send(_rank(request))
+            try:
+                send(_rank(request))
+            finally:
+                _leave_process_group()
             return
         elif op == "import":
             send(_run(importlib.import_module, (request["name"],), {}))
