@@ -369,7 +369,7 @@ def _mismatched_models_rank() -> dict:
     rank = dist.get_rank()
     model = FrozenParts()
     if rank == 1:
-        model.fc2 = nn.Linear(16, 5)
+        model.fc2 = nn.Linear(16, 5)  # a different architecture on one rank: a classic DDP misuse
     return outcome_of(impl.ddp.NaiveDDP, model)
 
 
@@ -483,9 +483,10 @@ def _trained_alone(name: str, seed: int, steps: int) -> list[list[tuple[str, tor
     return out
 
 
-def _frozen(name: str) -> list[str]:
+@functools.cache
+def _frozen(name: str) -> tuple[str, ...]:
     """The parameters of model ``name`` that do not require grad, in registration order."""
-    return [pname for pname, p in build(name, seed=0).named_parameters() if not p.requires_grad]
+    return tuple(pname for pname, p in build(name, seed=0).named_parameters() if not p.requires_grad)
 
 
 def check_params(rank: int, params: dict, expected: list[tuple[str, torch.Tensor]], what: str, section: str) -> None:
