@@ -1,18 +1,23 @@
 """Stage 4 — distributed data parallel (handout/04-ddp.md).
 
-Every distributed check runs on 2 or 3 gloo ranks, one spawn per test (``kit.checks.run_check``: a hang costs
-that test only). The expected values come from a single process training the same model on the full
-batch, or from recording what the implementation sends (``kit.comm_log.CommLog`` sees every collective
-and every ``wait()``, whoever issues it). Rank functions live at module level so the spawned ranks can
-import them; they load the implementation with ``kit.impl.load()`` (the parent's ``--impl`` choice
-travels through ``$LLMSYS_IMPL``). Checks run inside the ranks and raise with a message naming the rank,
-the model, the class and the step; the test re-raises it (a stub's ``NotImplementedError`` stays one).
+The implementation runs only in worker processes: 2 or 3 gloo ranks, one spawn per test (a hang costs that test
+only), or the session's worker for single-process calls. Rank functions live at module level so the ranks can
+import them; they load the implementation with ``kit.impl.load()`` (the parent's ``--impl`` choice travels
+through ``$LLMSYS_IMPL``), train or construct, and return what they observed as data: the parameters after each
+step, the names of the parameters that got a ``.grad``, the collectives and ``wait()``s a
+``kit.comm_log.CommLog`` recorded (``log.as_data()``). The tests below — the judge — compute the expected
+values themselves (a single process training the same model on the full batch, from the same seeds) and
+compare, with messages naming the rank, the model, the class and the step. A training spawn runs one named
+check per (process group, bucket cap, model), so the configurations that finished are judged before the
+failure of a later one is reported.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -22,11 +27,11 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import kit.impl
-from kit.checks import run_check
-from kit.comm_log import CommLog, Event, format_events
+from kit.checks import SpawnedChecks, outcome_of, run_check, run_checks
+from kit.comm_log import CommLog, Event, events_from_data, format_events
 from kit.model import ModelConfig, TransformerLM
 from kit.spawn import RankFailedError, run_on_ranks
-from kit.testing import assert_close, assert_equal, raises
+from kit.testing import assert_close, assert_equal, assert_raised, raises
 
 pytestmark = pytest.mark.stage4
 
@@ -150,15 +155,36 @@ def label(kind: str, bucket_mb: float | None) -> str:
     return f"{kind} (bucket_size_mb={bucket_mb})" if kind == "bucketed" else kind
 
 
-def check_params(model: nn.Module, reference: nn.Module, what: str, section: str) -> None:
-    rank = dist.get_rank()
-    for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
-        assert_close(p, q, name=f"rank {rank}, {what}: parameter {name}", section=section, rtol=1e-5, atol=1e-6)
+# ----------------------------------------------------------------------------------------------------
+# What runs on the ranks: the implementation, constructed or trained; what it did comes back as data
+# ----------------------------------------------------------------------------------------------------
 
 
-# ----------------------------------------------------------------------------------------------------
-# Rank functions
-# ----------------------------------------------------------------------------------------------------
+def _params(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's parameters now, by name (copies: training goes on in place)."""
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def _with_grad(model: nn.Module) -> list[str]:
+    """The names of the parameters that hold a ``.grad``, in registration order."""
+    return [name for name, p in model.named_parameters() if p.grad is not None]
+
+
+def _stepwise(prefix: str, steps: int, replica: Iterator[dict]) -> dict[str, Callable[[], dict]]:
+    """One named check per step of ``replica`` (a generator yielding each step's data): a step that raises fails its
+    own check, and the steps before it keep their data, so the judge reports an earlier wrong step first."""
+
+    def advance() -> dict:
+        try:
+            return next(replica)
+        except StopIteration:
+            raise RuntimeError(f"{prefix}: not run, an earlier step failed") from None
+
+    return {_step_check(prefix, step): advance for step in range(steps)}
+
+
+def _step_check(prefix: str, step: int) -> str:
+    return f"{prefix}, step {step + 1}"
 
 
 def _construction_rank() -> dict:
@@ -170,130 +196,115 @@ def _construction_rank() -> dict:
     for kind in ("naive", "flat"):
         for name in ("FrozenParts", "TransformerLM"):
             model = build(name, seed=100 + rank)  # every rank starts from its own random weights
-            # numpy copies: tensors sent between processes would travel as shared memory that vanishes
-            # when the rank exits.
-            before = {k: v.numpy().copy() for k, v in model.state_dict().items()}
             wrap(impl, kind, model, 0.0005)
-            after = {k: v.numpy().copy() for k, v in model.state_dict().items()}
-            out[(kind, name)] = (before, after)
+            out[(kind, name)] = {k: v.detach().clone() for k, v in model.state_dict().items()}
     return out
 
 
-def _training_rank(kind: str, steps: int) -> None:
-    """Train each toy model for ``steps`` steps; after each, compare with a single process on the full batch.
+# The training tests run twice: over the default group of TRAIN_WORLD ranks, then over the process groups of
+# SUBGROUPS (rank 0 alone; ranks 1 and 2 together, with rank 1's weights as the start). A rank trains on the
+# shard of its *group* rank.
+SETTINGS = ("default", "subgroups")
 
-    Twice: over the default group of 3 ranks, then over the process groups of SUBGROUPS (rank 0 alone; ranks
-    1 and 2 together, with rank 1's weights as the start). A rank trains on the shard of its *group* rank.
-    """
+
+def _group_of(setting: str, rank: int) -> list[int]:
+    """The global ranks of ``rank``'s group in ``setting``; the first is the broadcast source."""
+    return list(range(TRAIN_WORLD)) if setting == "default" else next(g for g in SUBGROUPS if rank in g)
+
+
+def _bucket_sizes(kind: str) -> tuple[float | None, ...]:
+    return BUCKET_SIZES if kind == "bucketed" else (None,)
+
+
+def _training_prefix(setting: str, bucket_mb: float | None, name: str) -> str:
+    return f"{setting} group, bucket_size_mb={bucket_mb}, {name}"
+
+
+def _train_replica(impl, kind: str, name: str, bucket_mb: float | None, group, ranks: list[int],
+                   steps: int) -> Iterator[dict]:
+    """Train ``name`` from this rank's own weights on its group rank's shard of the full batch. Each step yields
+    the parameters after the optimizer step, the parameters that held a ``.grad`` before it, and (first step of
+    the overlapping classes) the collectives and waits of backward + finish_gradient_synchronization."""
+    rank = dist.get_rank()
+    index, parts = ranks.index(rank), len(ranks)
+    model = build(name, seed=rank)
+    ddp = wrap(impl, kind, model, bucket_mb, group)
+    optimizer = make_optimizer(ddp.parameters())
+    for step in range(steps):
+        x, y = full_batch(name, step)
+        optimizer.zero_grad(set_to_none=True)
+        ddp.on_train_batch_start()
+        loss = loss_fn(ddp, shard(x, index, parts), shard(y, index, parts))
+        # The first step of the overlapping classes is recorded: every async all-reduce must be waited on.
+        recorded = step == 0 and kind in ("individual", "bucketed")
+        with CommLog() if recorded else contextlib.nullcontext() as log:
+            loss.backward()
+            ddp.finish_gradient_synchronization()
+        with_grad = _with_grad(model)
+        optimizer.step()
+        yield {"params": _params(model), "with_grad": with_grad, "events": log.as_data() if recorded else None}
+
+
+def _training_rank(kind: str, steps: int) -> dict:
     impl = kit.impl.load()
     rank = dist.get_rank()
     subgroup, _ = dist.new_subgroups_by_enumeration(SUBGROUPS)
-    members = next(g for g in SUBGROUPS if rank in g)
-    settings = ((None, list(range(TRAIN_WORLD)), f"default group of {TRAIN_WORLD} ranks"),
-                (subgroup, members, f"process_group of ranks {members}"))
-    section = "handout 04 §1–§4"
-    for group, ranks, where in settings:
-        source, index, parts = ranks[0], ranks.index(rank), len(ranks)
-        for bucket_mb in BUCKET_SIZES if kind == "bucketed" else (None,):
+    checks: dict[str, Callable[[], dict]] = {}
+    for setting, group in zip(SETTINGS, (None, subgroup)):
+        for bucket_mb in _bucket_sizes(kind):
             for name in MODELS:
-                # The group's first rank is the broadcast source: its start is everyone's start.
-                reference = build(name, seed=source)
-                model = build(name, seed=rank)
-                ddp = wrap(impl, kind, model, bucket_mb, group)
-                optimizer, ref_optimizer = make_optimizer(ddp.parameters()), make_optimizer(reference.parameters())
-                for step in range(steps):
-                    x, y = full_batch(name, step)
-                    ref_optimizer.zero_grad(set_to_none=True)
-                    loss_fn(reference, x, y).backward()
-                    ref_optimizer.step()
-
-                    optimizer.zero_grad(set_to_none=True)
-                    ddp.on_train_batch_start()
-                    loss = loss_fn(ddp, shard(x, index, parts), shard(y, index, parts))
-                    what = (f"{label(kind, bucket_mb)} over the {where} (group rank {index} of {parts}) on {name}, "
-                            f"step {step + 1}")
-                    # The first step of the overlapping classes is recorded: every async all-reduce must be waited on.
-                    recorded = step == 0 and kind in ("individual", "bucketed")
-                    with CommLog() if recorded else contextlib.nullcontext() as log:
-                        loss.backward()
-                        ddp.finish_gradient_synchronization()
-                    never = _never_waited(log.events) if recorded else []
-                    if never:
-                        raise AssertionError(
-                            f"rank {rank}, {what}: async all-reduce #{never[0]} was never waited on before "
-                            "finish_gradient_synchronization returned: the optimizer may read the gradient before "
-                            "the reduction has landed. Call wait() on every handle in "
-                            f"finish_gradient_synchronization (handout 04 §3). Events in order: {log.format()}")
-                    for pname, p in model.named_parameters():
-                        if not p.requires_grad and p.grad is not None:
-                            raise AssertionError(
-                                f"rank {rank}, {what}: frozen parameter {pname} got a .grad; parameters that do "
-                                "not require grad must be left alone (handout 04 §1)")
-                    if name == "UnusedParameter" and model.never_used.weight.grad is not None:
-                        raise AssertionError(
-                            f"rank {rank}, {what}: never_used.weight got a .grad although forward never used it; "
-                            "a parameter without a gradient must keep grad None, or the optimizer's weight decay "
-                            "moves it (handout 04 §7)")
-                    optimizer.step()
-                    check_params(model, reference, f"{what} (vs one process on the full batch; a group's "
-                                 f"gradients are averaged over its {parts} ranks, its first rank {source} is "
-                                 "the broadcast source)", section)
+                replica = _train_replica(impl, kind, name, bucket_mb, group, _group_of(setting, rank), steps)
+                checks.update(_stepwise(_training_prefix(setting, bucket_mb, name), steps, replica))
+    return run_checks(checks)
 
 
 class _AbortedMicroBatch(Exception):
     """Raised inside ``no_sync()`` by the no_sync test, as a failing micro-batch would."""
 
 
-def _no_sync_rank(steps: int) -> None:
-    """Two micro-batches per rank: the first inside no_sync (no collective), the second communicates."""
-    impl = kit.impl.load()
-    rank = dist.get_rank()
-    for kind in KINDS:
-        for name in ("FrozenParts", "UnusedParameter", "TransformerLM"):
-            reference = build(name, seed=0)
-            model = build(name, seed=rank)
-            ddp = wrap(impl, kind, model, 0.0005)
-            optimizer, ref_optimizer = make_optimizer(ddp.parameters()), make_optimizer(reference.parameters())
-            for step in range(steps):
-                x, y = full_batch(name, step)
-                ref_optimizer.zero_grad(set_to_none=True)
-                loss_fn(reference, x, y).backward()
-                ref_optimizer.step()
+NO_SYNC_MODELS = ("FrozenParts", "UnusedParameter", "TransformerLM")
+NO_SYNC_STEPS = 2
 
-                xs, ys = shard(x, rank, WORLD), shard(y, rank, WORLD)
-                optimizer.zero_grad(set_to_none=True)
-                ddp.on_train_batch_start()
-                if step == 0:
-                    # A failed micro-batch (e.g. out of memory) leaves the context by an exception; it must not leave
-                    # synchronisation switched off for the rest of training.
-                    try:
-                        with ddp.no_sync():
-                            raise _AbortedMicroBatch
-                    except _AbortedMicroBatch:
-                        pass
-                with CommLog() as log, ddp.no_sync():
-                    # Forward and backward both inside: the loss is halved because the full-batch loss is
-                    # the mean over two micro-batches.
-                    (loss_fn(ddp, shard(xs, 0, 2), shard(ys, 0, 2)) / 2).backward()
-                    ddp.finish_gradient_synchronization()  # inside no_sync this must not communicate either
-                inside = log.collectives()
-                what = f"{label(kind, 0.0005)} on {name}, step {step + 1}"
-                if inside:
-                    raise AssertionError(
-                        f"rank {rank}, {what}: {len(inside)} collectives were issued inside no_sync() "
-                        f"({log.format()}); gradients must only accumulate locally there (handout 04 §5)")
-                with CommLog() as log:
-                    (loss_fn(ddp, shard(xs, 1, 2), shard(ys, 1, 2)) / 2).backward()
-                    ddp.finish_gradient_synchronization()
-                if not log.collectives("all_reduce"):
-                    raise AssertionError(
-                        f"rank {rank}, {what}: the micro-batch after the no_sync() block issued no all-reduce"
-                        + (" — in step 1 a no_sync() block was left by an exception before it: no_sync must restore "
-                           "the previous setting on exit even then (try/finally around the yield)" if step == 0 else "")
-                        + f"; events: {log.format()} (handout 04 §5)")
-                optimizer.step()
-                check_params(model, reference, f"{what} with 2 accumulated micro-batches "
-                             "(vs one process on the full batch)", "handout 04 §5")
+
+def _no_sync_replica(impl, kind: str, name: str, steps: int) -> Iterator[dict]:
+    """Two micro-batches per rank and step: the first inside no_sync (no collective), the second communicates.
+    Each step yields the events recorded in each, and the parameters after the optimizer step."""
+    rank = dist.get_rank()
+    model = build(name, seed=rank)
+    ddp = wrap(impl, kind, model, 0.0005)
+    optimizer = make_optimizer(ddp.parameters())
+    for step in range(steps):
+        x, y = full_batch(name, step)
+        xs, ys = shard(x, rank, WORLD), shard(y, rank, WORLD)
+        optimizer.zero_grad(set_to_none=True)
+        ddp.on_train_batch_start()
+        if step == 0:
+            # A failed micro-batch (e.g. out of memory) leaves the context by an exception; it must not leave
+            # synchronisation switched off for the rest of training.
+            try:
+                with ddp.no_sync():
+                    raise _AbortedMicroBatch
+            except _AbortedMicroBatch:
+                pass
+        with CommLog() as inside, ddp.no_sync():
+            # Forward and backward both inside: the loss is halved because the full-batch loss is the mean
+            # over two micro-batches.
+            (loss_fn(ddp, shard(xs, 0, 2), shard(ys, 0, 2)) / 2).backward()
+            ddp.finish_gradient_synchronization()  # inside no_sync this must not communicate either
+        with CommLog() as after:
+            (loss_fn(ddp, shard(xs, 1, 2), shard(ys, 1, 2)) / 2).backward()
+            ddp.finish_gradient_synchronization()
+        optimizer.step()
+        yield {"inside": inside.as_data(), "after": after.as_data(), "params": _params(model)}
+
+
+def _no_sync_rank(steps: int) -> dict:
+    impl = kit.impl.load()
+    checks: dict[str, Callable[[], dict]] = {}
+    for kind in KINDS:
+        for name in NO_SYNC_MODELS:
+            checks.update(_stepwise(f"{kind}, {name}", steps, _no_sync_replica(impl, kind, name, steps)))
+    return run_checks(checks)
 
 
 OVERLAP_CAP_MB = 0.0041  # 4299 bytes
@@ -348,24 +359,18 @@ def _overlap_events_rank() -> dict:
                 ddp.finish_gradient_synchronization()
                 log.mark("finish returned")
             optimizer.step()
-        report[kind] = [log.events for log in logs]
+        report[kind] = [log.as_data() for log in logs]
     return report
 
 
-def _mismatched_models_rank() -> None:
+def _mismatched_models_rank() -> dict:
+    """What constructing NaiveDDP did on this rank when rank 1's model has a different fc2 (a classic misuse)."""
     impl = kit.impl.load()
     rank = dist.get_rank()
     model = FrozenParts()
     if rank == 1:
         model.fc2 = nn.Linear(16, 5)  # a different architecture on one rank: a classic DDP misuse
-    with raises(ValueError, match="fc2", section="handout 04 §1",
-                what=f"rank {rank}: NaiveDDP(model) where rank 1's model has fc2 = Linear(16, 5) and rank 0's "
-                "Linear(16, 4)",
-                hint="Construction must first compare the replicas (verify_same_model: all_gather_object each rank's "
-                "(name, shape, dtype, requires_grad) list) and raise ValueError naming the first parameter that "
-                "differs, on every rank, before any broadcast: broadcasting mismatched tensors fails with an opaque "
-                "gloo error or hangs on NCCL."):
-        impl.ddp.NaiveDDP(model)
+    return outcome_of(impl.ddp.NaiveDDP, model)
 
 
 def _failing_rank() -> None:
@@ -380,6 +385,30 @@ def _failing_rank() -> None:
             raise RuntimeError("rank 1 lost its data loader")  # rank 0 goes on into a collective alone
         loss.backward()
         ddp.finish_gradient_synchronization()
+
+
+def _assign_buckets(sizes: list[tuple[float, torch.dtype]], cap) -> list[list[int]]:
+    """assign_buckets on meta tensors (sizes without memory) of ``(MiB, dtype)``; 2**18 float32 elements = 1 MiB."""
+    params = [torch.empty(int(mib * 2**18), dtype=dtype, device="meta") for mib, dtype in sizes]
+    return kit.impl.load().ddp.assign_buckets(params, cap)
+
+
+def _assign_buckets_bad_cap(cap) -> dict:
+    return outcome_of(kit.impl.load().ddp.assign_buckets, [torch.empty(2**18, device="meta")], cap)
+
+
+def _bus_bandwidth(size: int, seconds: float, n: int):
+    return kit.impl.load().collectives.bus_bandwidth(size, seconds, n)
+
+
+def _all_reduce_benchmark_rows() -> list:
+    return kit.impl.load().collectives.all_reduce_benchmark([4096, 2**16], [2], backend="gloo", device="cpu",
+                                                          warmup=1, iters=3)
+
+
+def _all_reduce_benchmark_bad_calls() -> dict:
+    benchmark = kit.impl.load().collectives.all_reduce_benchmark
+    return {"sizes": outcome_of(benchmark, [3], [2]), "world": outcome_of(benchmark, [4096], [1])}
 
 
 class _SlowAllReduce(TorchDispatchMode):
@@ -431,23 +460,103 @@ def _delayed_time_rank() -> list[float]:
 
 
 # ----------------------------------------------------------------------------------------------------
-# Tests
+# The tests: the judge's side
 # ----------------------------------------------------------------------------------------------------
+
+
+@functools.cache
+def _trained_alone(name: str, seed: int, steps: int) -> list[list[tuple[str, torch.Tensor]]]:
+    """One process training ``name`` from ``seed``'s weights on the full batch: its parameters after each step.
+
+    The judge's own reference: the same model, seeds, batches and optimizer as the ranks, on one torch thread as
+    they are, so the comparison's only difference is how the ranks average their shards' gradients.
+    """
+    reference = build(name, seed=seed)
+    optimizer = make_optimizer(reference.parameters())
+    out = []
+    for step in range(steps):
+        x, y = full_batch(name, step)
+        optimizer.zero_grad(set_to_none=True)
+        loss_fn(reference, x, y).backward()
+        optimizer.step()
+        out.append([(pname, p.detach().clone()) for pname, p in reference.named_parameters()])
+    return out
+
+
+@functools.cache
+def _frozen(name: str) -> tuple[str, ...]:
+    """The parameters of model ``name`` that do not require grad, in registration order."""
+    return tuple(pname for pname, p in build(name, seed=0).named_parameters() if not p.requires_grad)
+
+
+def check_params(rank: int, params: dict, expected: list[tuple[str, torch.Tensor]], what: str, section: str) -> None:
+    """A rank's parameters (by name) against the judge's single-process ones after the same step."""
+    for name, q in expected:
+        assert_close(params.get(name), q, name=f"rank {rank}, {what}: parameter {name}", section=section,
+                     rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.points(2)
 def test_ranks_agree_after_construction() -> None:
     """Construction broadcasts rank 0's parameters and buffers — frozen ones included — to every rank."""
     results = run_check(_construction_rank, WORLD, timeout=TIMEOUT)
-    for (kind, name), (before0, after0) in results[0].items():
-        before1, after1 = results[1][(kind, name)]
-        differed = any(not (before0[k] == before1[k]).all() for k in before0)
-        assert differed, f"test setup: ranks should start from different weights for {name}"
-        for key in before0:
-            for rank, after in ((0, after0), (1, after1)):
-                assert_close(torch.from_numpy(after[key]), torch.from_numpy(before0[key]),
-                             name=f"{kind} on {name}: rank {rank}'s {key} after "
-                             "construction vs rank 0's initial value", section="handout 04 §1", rtol=0, atol=0)
+    for kind in ("naive", "flat"):
+        for name in ("FrozenParts", "TransformerLM"):
+            # What each rank held before construction: the judge builds the same models from the same seeds.
+            before0, before1 = (build(name, seed=100 + rank).state_dict() for rank in range(WORLD))
+            differed = any(not torch.equal(before0[k], before1[k]) for k in before0)
+            assert differed, f"test setup: ranks should start from different weights for {name}"
+            for key in before0:
+                for rank in range(WORLD):
+                    assert_close(results[rank][(kind, name)].get(key), before0[key],
+                                 name=f"{kind} on {name}: rank {rank}'s {key} after "
+                                 "construction vs rank 0's initial value", section="handout 04 §1", rtol=0, atol=0)
+
+
+def _check_training(kind: str, steps: int = 3) -> None:
+    """Train each toy model for ``steps`` steps on TRAIN_WORLD ranks; after each step every rank's parameters
+    must equal one process trained on the full batch from its group's first rank's weights (see SETTINGS)."""
+    ranks = SpawnedChecks(_training_rank, TRAIN_WORLD, args=(kind, steps), timeout=TIMEOUT)
+    section = "handout 04 §1–§4"
+    for setting in SETTINGS:
+        for bucket_mb in _bucket_sizes(kind):
+            for name in MODELS:
+                prefix = _training_prefix(setting, bucket_mb, name)
+                for step in range(steps):
+                    for rank, got in enumerate(ranks.values(_step_check(prefix, step))):
+                        members = _group_of(setting, rank)
+                        source, index, parts = members[0], members.index(rank), len(members)
+                        where = (f"default group of {TRAIN_WORLD} ranks" if setting == "default"
+                                 else f"process_group of ranks {members}")
+                        what = (f"{label(kind, bucket_mb)} over the {where} (group rank {index} of {parts}) on "
+                                f"{name}, step {step + 1}")
+                        _check_training_step(rank, name, got, what)
+                        # The group's first rank is the broadcast source: its start is everyone's start.
+                        check_params(rank, got["params"], _trained_alone(name, source, steps)[step],
+                                     f"{what} (vs one process on the full batch; a group's gradients are averaged "
+                                     f"over its {parts} ranks, its first rank {source} is the broadcast source)",
+                                     section)
+
+
+def _check_training_step(rank: int, name: str, got: dict, what: str) -> None:
+    """One rank's step, before its parameters: every async all-reduce waited on (when recorded), no .grad on a
+    frozen or unused parameter."""
+    if got["events"] is not None:
+        events = events_from_data(got["events"])
+        never = _never_waited(events)
+        assert not never, (
+            f"rank {rank}, {what}: async all-reduce #{never[0]} was never waited on before "
+            "finish_gradient_synchronization returned: the optimizer may read the gradient before the reduction "
+            "has landed. Call wait() on every handle in finish_gradient_synchronization (handout 04 §3). Events in "
+            f"order: {format_events(events)}")
+    with_grad = set(got["with_grad"])
+    frozen = [pname for pname in _frozen(name) if pname in with_grad]
+    assert not frozen, (
+        f"rank {rank}, {what}: frozen parameter {frozen[0]} got a .grad; parameters that do not "
+        "require grad must be left alone (handout 04 §1)")
+    assert not (name == "UnusedParameter" and "never_used.weight" in with_grad), (
+        f"rank {rank}, {what}: never_used.weight got a .grad although forward never used it; a parameter without "
+        "a gradient must keep grad None, or the optimizer's weight decay moves it (handout 04 §7)")
 
 
 # One test per class, so each handout problem owns its own. Each trains 4 models (frozen parts and a buffer, tied
@@ -460,40 +569,59 @@ def test_ranks_agree_after_construction() -> None:
 
 @pytest.mark.points(3)
 def test_naive_ddp_matches_single_process() -> None:
-    run_check(_training_rank, TRAIN_WORLD, args=("naive", 3), timeout=TIMEOUT)
+    _check_training("naive")
 
 
 @pytest.mark.points(3)
 def test_flat_ddp_matches_single_process() -> None:
-    run_check(_training_rank, TRAIN_WORLD, args=("flat", 3), timeout=TIMEOUT)
+    _check_training("flat")
 
 
 @pytest.mark.points(3)
 def test_individual_ddp_matches_single_process() -> None:
-    run_check(_training_rank, TRAIN_WORLD, args=("individual", 3), timeout=TIMEOUT)
+    _check_training("individual")
 
 
 @pytest.mark.points(3)
 def test_bucketed_ddp_matches_single_process() -> None:
     """Twice: with a 0.0005 MiB cap (several buckets per model) and with bucket_size_mb=None (one bucket)."""
-    run_check(_training_rank, TRAIN_WORLD, args=("bucketed", 3), timeout=TIMEOUT)
+    _check_training("bucketed")
 
 
 @pytest.mark.points(3)
 def test_no_sync_accumulates_without_communicating() -> None:
     """Inside no_sync no collective is issued; the accumulated step equals the full-batch step; a no_sync block
     left by an exception restores synchronisation."""
-    run_check(_no_sync_rank, WORLD, args=(2,), timeout=TIMEOUT)
+    ranks = SpawnedChecks(_no_sync_rank, WORLD, args=(NO_SYNC_STEPS,), timeout=TIMEOUT)
+    for kind in KINDS:
+        for name in NO_SYNC_MODELS:
+            for step in range(NO_SYNC_STEPS):
+                for rank, got in enumerate(ranks.values(_step_check(f"{kind}, {name}", step))):
+                    what = f"{label(kind, 0.0005)} on {name}, step {step + 1}"
+                    inside = events_from_data(got["inside"])
+                    issued = [e for e in inside if e.kind == "collective"]
+                    assert not issued, (
+                        f"rank {rank}, {what}: {len(issued)} collectives were issued inside no_sync() "
+                        f"({format_events(inside)}); gradients must only accumulate locally there (handout 04 §5)")
+                    after = events_from_data(got["after"])
+                    assert [e for e in after if e.kind == "collective" and e.op == "all_reduce"], (
+                        f"rank {rank}, {what}: the micro-batch after the no_sync() block issued no all-reduce"
+                        + (" — in step 1 a no_sync() block was left by an exception before it: no_sync must "
+                           "restore the previous setting on exit even then (try/finally around the yield)"
+                           if step == 0 else "")
+                        + f"; events: {format_events(after)} (handout 04 §5)")
+                    # Both micro-batches together are the full batch: one process, seed 0 (rank 0's weights).
+                    check_params(rank, got["params"], _trained_alone(name, 0, NO_SYNC_STEPS)[step],
+                                 f"{what} with 2 accumulated micro-batches (vs one process on the full batch)",
+                                 "handout 04 §5")
 
 
 @pytest.mark.points(2)
-def test_bucket_assignment(impl) -> None:
+def test_bucket_assignment(worker) -> None:
     """Buckets in reverse registration order, capped in MiB, a too-large parameter alone."""
-    assign = impl.ddp.assign_buckets
 
-    def params(*mib: float, dtype=torch.float32):
-        # meta tensors: sizes without memory. 2**18 float32 elements = 1 MiB.
-        return [torch.empty(int(m * 2**18), dtype=dtype, device="meta") for m in mib]
+    def params(*mib: float, dtype=torch.float32) -> list[tuple[float, torch.dtype]]:
+        return [(m, dtype) for m in mib]  # the worker makes meta tensors of these sizes (MiB)
 
     cases = [
         (params(4, 4, 4), 8, [[2, 1], [0]], "three 4 MiB parameters, cap 8 MiB (a full bucket is allowed)"),
@@ -503,11 +631,12 @@ def test_bucket_assignment(impl) -> None:
         (params(0.25, 0.25, 0.25, 0.25, 0.25), 0.5, [[4, 3], [2, 1], [0]], "fractional cap 0.5 MiB"),
         (params(1, 1) + params(1, dtype=torch.float16), 100, [[2], [1, 0]], "a dtype change starts a new bucket"),
     ]
-    for ps, cap, expected, what in cases:
-        assert_equal(assign(ps, cap), expected, name=f"assign_buckets: {what}", section="handout 04 §4")
+    for sizes, cap, expected, what in cases:
+        assert_equal(worker.call(_assign_buckets, sizes, cap), expected, name=f"assign_buckets: {what}",
+                     section="handout 04 §4")
     for cap, error in ((0, ValueError), (-5, ValueError), ("25", TypeError)):
-        with raises(error, match="bucket_size_mb", what=f"assign_buckets(params, {cap!r})", section="handout 04 §4"):
-            assign(params(1), cap)
+        assert_raised(worker.call(_assign_buckets_bad_cap, cap), error, "bucket_size_mb",
+                      what=f"assign_buckets(params, {cap!r})", section="handout 04 §4")
 
 
 def _never_waited(events: list[Event]) -> list[int]:
@@ -548,7 +677,7 @@ def test_communication_overlaps_backward() -> None:
     fp32 = 4
     for kind, expected_bytes in (("individual", None), ("bucketed", [fp32 * (32 * 32 + 32)] * 6)):
         for step, events in enumerate(report[kind], start=1):
-            _check_overlap(f"{kind}, step {step}", events, expected_bytes)
+            _check_overlap(f"{kind}, step {step}", events_from_data(events), expected_bytes)
 
 
 def _check_overlap(what: str, events: list[Event], expected_bytes: list[int] | None) -> None:
@@ -597,29 +726,39 @@ def _check_overlap(what: str, events: list[Event], expected_bytes: list[int] | N
 def test_failing_rank_surfaces_its_error() -> None:
     """Mismatched models fail at construction naming the parameter; an exception on one rank mid-training
     reaches the caller instead of hanging the other rank in a collective."""
-    # Every rank checks its own construction raises (a rank that does not raise fails with a teaching message);
-    # a hang would end in RankTimeoutError after 60 s.
-    run_check(_mismatched_models_rank, WORLD, timeout=60)
+    # Each rank records what its construction did; a hang would end in RankTimeoutError.
+    outcomes = run_check(_mismatched_models_rank, WORLD, timeout=60)
+    for rank, outcome in enumerate(outcomes):
+        assert_raised(outcome, ValueError, "fc2", section="handout 04 §1",
+                      what=f"rank {rank}: NaiveDDP(model) where rank 1's model has fc2 = Linear(16, 5) and rank 0's "
+                      "Linear(16, 4)",
+                      hint="Construction must first compare the replicas (verify_same_model: all_gather_object "
+                      "each rank's (name, shape, dtype, requires_grad) list) and raise ValueError naming the first "
+                      "parameter that differs, on every rank, before any broadcast: broadcasting mismatched tensors "
+                      "fails with an opaque gloo error or hangs on NCCL.")
+    # The harness's own report of the spawn, read here: the rank's error, not a verdict of the ranks.
     with raises(RankFailedError, match="rank 1 lost its data loader", section="handout 04 §7",
                 what="NaiveDDP training where rank 1 raises mid-step",
                 hint="The error must reach the caller; a rank left alone in a collective must not hang."):
         run_on_ranks(_failing_rank, WORLD, timeout=60)
 
 
+BANDWIDTH_CASES = ((2**20, 1e-3, 2), (2**30, 0.25, 4), (12 * 2**20, 3e-3, 6))
+
+
 @pytest.mark.points(2)
-def test_all_reduce_benchmark(impl) -> None:
+def test_all_reduce_benchmark(worker) -> None:
     """Timing rows for each size, bandwidths from the ring all-reduce's traffic 2(n-1)/n · size, and
     time_all_reduce timing the slowest rank of barrier-aligned calls when ranks are deliberately delayed."""
-    coll = impl.collectives
-    for size, seconds, n in ((2**20, 1e-3, 2), (2**30, 0.25, 4), (12 * 2**20, 3e-3, 6)):
-        algbw, busbw = coll.bus_bandwidth(size, seconds, n)
+    for size, seconds, n in BANDWIDTH_CASES:
+        algbw, busbw = worker.call(_bus_bandwidth, size, seconds, n)
         assert_close(torch.tensor(algbw, dtype=torch.float64), torch.tensor(size / seconds, dtype=torch.float64),
                      name=f"algbw for {size} B in {seconds} s", section="handout 04 §6", rtol=1e-9, atol=0)
         expected = torch.tensor(size / seconds * 2 * (n - 1) / n, dtype=torch.float64)
         assert_close(torch.tensor(busbw, dtype=torch.float64), expected,
                      name=f"busbw for {size} B in {seconds} s over {n} ranks", section="handout 04 §6",
                      rtol=1e-9, atol=0)
-    rows = coll.all_reduce_benchmark([4096, 2**16], [2], backend="gloo", device="cpu", warmup=1, iters=3)
+    rows = worker.call(_all_reduce_benchmark_rows)
     assert_equal([(r["world_size"], r["size_bytes"]) for r in rows], [(2, 4096), (2, 2**16)],
                  name="all_reduce_benchmark rows (world_size, size_bytes)", section="handout 04 §6")
     for r in rows:
@@ -642,9 +781,8 @@ def test_all_reduce_benchmark(impl) -> None:
             f"so the answer must lie in [{low:g}, {high:g}] s. Too low: a missing dist.barrier() before "
             "each timed call (early ranks then start the clock while others are still busy), no MAX over ranks, or "
             "a constant; too high: a sum instead of a mean over iters (handout 04 §6).")
-    with raises(ValueError, match="sizes_bytes", what="all_reduce_benchmark([3], [2]) (3 bytes: not whole float32s)",
-                section="handout 04 §6"):
-        coll.all_reduce_benchmark([3], [2])
-    with raises(ValueError, match="world_sizes", what="all_reduce_benchmark([4096], [1]) (one rank)",
-                section="handout 04 §6"):
-        coll.all_reduce_benchmark([4096], [1])
+    bad = worker.call(_all_reduce_benchmark_bad_calls)
+    assert_raised(bad["sizes"], ValueError, "sizes_bytes",
+                  what="all_reduce_benchmark([3], [2]) (3 bytes: not whole float32s)", section="handout 04 §6")
+    assert_raised(bad["world"], ValueError, "world_sizes", what="all_reduce_benchmark([4096], [1]) (one rank)",
+                  section="handout 04 §6")

@@ -342,6 +342,9 @@ def collect(children: list[Child], *, timeout: float, stop_early: bool = True) -
                 outcome.limits = (budget.spent + outcome.cpu, budget.cpu, budget.idle)
                 outcome.stacks = _dump_stacks(children, sorted(pending.values()))
                 break
+    # Answers that arrive in one poll come in no particular order: the failure that happened first leads (a peer's
+    # "connection closed" comes after its cause).
+    outcome.errors_first.sort(key=lambda r: wire.field(outcome.finals[r], "at", float, float("inf")))
     outcome.seconds = watch.wall()
     budget.spent += outcome.cpu
     # The first to fail is the cause; the others (a peer's closed connection) its consequences.

@@ -131,9 +131,11 @@ def _run(fn, args, kwargs) -> dict:
         return {"ok": True, "value": wire.normalise(fn(*args, **kwargs), f"what {getattr(fn, '__name__', fn)} "
                                                                           "returned")}
     except (KeyboardInterrupt, SystemExit) as exc:
-        return {"ok": False, "failure": error_report(exc)}
+        return {"at": time.monotonic(), "ok": False, "failure": error_report(exc)}
     except BaseException as exc:  # noqa: BLE001 — pytest.fail raises a BaseException too
-        return {"ok": False, "failure": error_report(exc)}
+        # ``at``: when it failed (CLOCK_MONOTONIC, one clock for every process), so the judge can tell a cause
+        # from the failures it caused in peers even when their reports reach it in one poll.
+        return {"at": time.monotonic(), "ok": False, "failure": error_report(exc)}
 
 
 def _rank(request: dict) -> dict:
@@ -159,13 +161,20 @@ def _rank(request: dict) -> dict:
         dist.barrier()
     except BaseException as exc:  # noqa: BLE001
         return {"ok": False, "failure": error_report(exc)}
+    return _run(request["fn"], request["args"], request["kwargs"])
+
+
+def _leave_process_group() -> None:
+    # After the rank's report is sent, never before: destroying the group closes gloo's connections, and a peer
+    # still in a collective then fails with "Connection closed by peer" — a report that must not overtake the
+    # cause's own.
+    import torch.distributed as dist
+
     try:
-        return _run(request["fn"], request["args"], request["kwargs"])
-    finally:
-        try:
+        if dist.is_initialized():
             dist.destroy_process_group()
-        except Exception:  # noqa: BLE001
-            pass
+    except Exception:  # noqa: BLE001
+        pass
 
 
 def serve(channel: Connection) -> None:
@@ -199,7 +208,10 @@ def serve(channel: Connection) -> None:
         if op == "call":
             send(_run(request["fn"], request["args"], request["kwargs"]))
         elif op == "rank":
-            send(_rank(request))
+            try:
+                send(_rank(request))
+            finally:
+                _leave_process_group()
             return
         elif op == "import":
             send(_run(lambda name: importlib.import_module(name) and None, (request["name"],), {}))
