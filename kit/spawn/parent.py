@@ -342,12 +342,10 @@ def collect(children: list[Child], *, timeout: float, stop_early: bool = True) -
                 outcome.limits = (budget.spent + outcome.cpu, budget.cpu, budget.idle)
                 outcome.stacks = _dump_stacks(children, sorted(pending.values()))
                 break
-    # Answers that arrive in one poll come in no particular order: the failure that happened first leads (a peer's
-    # "connection closed" comes after its cause).
-    outcome.errors_first.sort(key=lambda r: wire.field(outcome.finals[r], "at", float, float("inf")))
     outcome.seconds = watch.wall()
     budget.spent += outcome.cpu
-    # The first to fail is the cause; the others (a peer's closed connection) its consequences.
+    # Answers that arrive in one poll come in no particular order: the failure sent first is the cause, the others
+    # (a peer's "connection closed") its consequences.
     outcome.errors_first.sort(key=lambda r: wire.field(outcome.finals[r], "sent", float, float("inf")))
     for r in outcome.died:
         outcome.died[r] = _exit_code(children[r])

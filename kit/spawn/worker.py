@@ -131,11 +131,9 @@ def _run(fn, args, kwargs) -> dict:
         return {"ok": True, "value": wire.normalise(fn(*args, **kwargs), f"what {getattr(fn, '__name__', fn)} "
                                                                           "returned")}
     except (KeyboardInterrupt, SystemExit) as exc:
-        return {"at": time.monotonic(), "ok": False, "failure": error_report(exc)}
+        return {"ok": False, "failure": error_report(exc)}
     except BaseException as exc:  # noqa: BLE001 — pytest.fail raises a BaseException too
-        # ``at``: when it failed (CLOCK_MONOTONIC, one clock for every process), so the judge can tell a cause
-        # from the failures it caused in peers even when their reports reach it in one poll.
-        return {"at": time.monotonic(), "ok": False, "failure": error_report(exc)}
+        return {"ok": False, "failure": error_report(exc)}
 
 
 def _rank(request: dict) -> dict:
