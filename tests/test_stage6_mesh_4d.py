@@ -160,8 +160,10 @@ def _predicted_comm(kwargs: dict) -> dict[int, dict[str, int]]:
     return {stage: acc.by_collective(acc.comm_volume_per_step(cfg, stage)) for stage in range(cfg.pp)}
 
 
-# The wall clock is only the last resort (the CPU budget and the idle limit catch a spin or a hang first).
-ranks8 = spawned_checks(_mesh_rank_fn, 8, timeout=180)
+# The wall clock is the last resort, for ranks left waiting in a collective that a failed rank never joins (gloo's
+# wait is not idle enough for the idle limit): the whole spawn takes ~15 s on a loaded 2-core machine, and the ranks
+# start in ~0.2 s, so 120 s leaves a wide margin.
+ranks8 = spawned_checks(_mesh_rank_fn, 8, timeout=120)
 
 
 # ------------------------------------------------------------------------------------------------
