@@ -1,5 +1,9 @@
 """Stage 6 — memory and communication accounting on paper (handout 06 §6). No ranks needed.
 
+The accounting functions run in the worker (``worker.call``): the module-level functions below call them
+and return their numbers as data; the tests judge those numbers here, against the formulas, the ZeRO
+paper's figures and a model the judge builds itself (``tests/support/moe.py``).
+
 The communication counts are also checked against a real training step in test_stage6_mesh_4d.py.
 """
 
@@ -10,30 +14,78 @@ import math
 import pytest
 import torch
 
-from kit.testing import assert_close, assert_equal
+import kit.impl
+from kit.checks import outcome_of
+from kit.model import ModelConfig
+from kit.testing import assert_close, assert_equal, assert_raised
+from tests.support.moe import moe_transformer
 
 pytestmark = pytest.mark.stage6
 
 GB = 1e9
 
+# ----------------------------------------------------------------------------------------------------
+# What runs in the worker: the implementation's accounting, its numbers back
+# ----------------------------------------------------------------------------------------------------
+
+
+def _accounting():
+    return kit.impl.load().parallel.accounting
+
+
+def _training_state(printed: dict[int, float]) -> dict:
+    acc = _accounting()
+    return {"paper": {stage: acc.training_state_bytes(7.5e9, zero_stage=stage, dp=64)["total"] for stage in printed},
+            "parts": acc.training_state_bytes(1e9, zero_stage=2, dp=8),
+            "bad_stage": outcome_of(acc.training_state_bytes, 1e9, zero_stage=4, dp=8)}
+
+
+def _devices_needed(cases: list[tuple[int, int]]) -> dict:
+    acc = _accounting()
+    return {(mp, stage): acc.devices_needed(405e9, 80 * GB, zero_stage=stage, model_parallel=mp) for mp, stage in cases}
+
+
+def _activation_memory(s: int, b: int, h: int, a: int) -> dict:
+    acc = _accounting()
+    return {"tp": {t: acc.activation_bytes_per_layer(s, b, h, a, tp=t) for t in (1, 8)},
+            "sp": acc.activation_bytes_per_layer(s, b, h, a, tp=8, sequence_parallel=True),
+            "tp8": acc.activation_bytes_per_layer(s, b, h, a, tp=8),
+            "mem": acc.memory_per_device(175e9, num_layers=96, seq_len=s, micro_batch=b, d_model=h, num_heads=a,
+                                         dp=8, tp=8, pp=8, zero_stage=1)}
+
+
+def _stage_parameter_counts(kwargs: dict) -> list:
+    impl = kit.impl.load()
+    cfg = impl.parallel.train_4d.Train4DConfig(**kwargs)
+    return [impl.parallel.accounting.stage_parameter_counts(cfg, stage) for stage in range(cfg.pp)]
+
+
+def _fsdp_tp_compute_bound(kwargs: dict) -> dict:
+    return _accounting().fsdp_tp_compute_bound(**kwargs)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The tests: the judge's side
+# ----------------------------------------------------------------------------------------------------
+
 
 @pytest.mark.points(2)
-def test_training_state_matches_zero_paper(impl):
-    acc = impl.parallel.accounting
+def test_training_state_matches_zero_paper(worker):
     # ZeRO paper, Figure 1: Ψ = 7.5B parameters, N_d = 64 data-parallel devices, K = 12.
     printed = {0: 120.0, 1: 31.4, 2: 16.6, 3: 1.9}
+    got = worker.call(_training_state, printed)
     for stage, gb in printed.items():
-        got = acc.training_state_bytes(7.5e9, zero_stage=stage, dp=64)["total"] / GB
-        assert abs(got - gb) < 0.05, (
-            f"training_state_bytes(7.5e9, zero_stage={stage}, dp=64) = {got:.2f} GB; the ZeRO paper prints {gb} GB. "
+        total = got["paper"][stage] / GB
+        assert abs(total - gb) < 0.05, (
+            f"training_state_bytes(7.5e9, zero_stage={stage}, dp=64) = {total:.2f} GB; the ZeRO paper prints {gb} GB. "
             "See handout 06 §6.1.")
-    parts = acc.training_state_bytes(1e9, zero_stage=2, dp=8)
+    parts = got["parts"]
     assert_close(torch.tensor([parts["weights"], parts["gradients"], parts["optimizer"]], dtype=torch.float64),
                  torch.tensor([2e9, 2e9 / 8, 12e9 / 8], dtype=torch.float64),
                  name="ZeRO-2 weights, gradients, optimizer bytes for 1B parameters on 8 ranks",
                  section="handout 06 §6.1", rtol=1e-12, atol=0)
-    with pytest.raises(ValueError, match="zero_stage"):
-        acc.training_state_bytes(1e9, zero_stage=4, dp=8)
+    assert_raised(got["bad_stage"], ValueError, "zero_stage", what="training_state_bytes(1e9, zero_stage=4, dp=8)",
+                  section="handout 06 §6.1")
 
 
 def _brute_force_devices(psi: float, memory: float, stage: int, model_parallel: int) -> int | None:
@@ -48,46 +100,61 @@ def _brute_force_devices(psi: float, memory: float, stage: int, model_parallel: 
 
 
 @pytest.mark.points(2)
-def test_devices_needed_for_405b(impl):
-    acc = impl.parallel.accounting
-    for model_parallel in (1, 16):
-        for stage in range(4):
-            expected = _brute_force_devices(405e9, 80 * GB, stage, model_parallel)
-            got = acc.devices_needed(405e9, 80 * GB, zero_stage=stage, model_parallel=model_parallel)
-            assert_equal(got, expected, name=f"devices for 405B parameters on 80 GB devices, ZeRO-{stage}, "
-                         f"tp·pp = {model_parallel}", section="handout 06 §6.1")
+def test_devices_needed_for_405b(worker):
+    cases = [(model_parallel, stage) for model_parallel in (1, 16) for stage in range(4)]
+    got = worker.call(_devices_needed, cases)
+    for model_parallel, stage in cases:
+        expected = _brute_force_devices(405e9, 80 * GB, stage, model_parallel)
+        assert_equal(got[(model_parallel, stage)], expected, name=f"devices for 405B parameters on 80 GB devices, "
+                     f"ZeRO-{stage}, tp·pp = {model_parallel}", section="handout 06 §6.1")
 
 
 @pytest.mark.points(1)
-def test_activation_memory_formula(impl):
-    acc = impl.parallel.accounting
+def test_activation_memory_formula(worker):
     s, b, h, a = 2048, 1, 12288, 96  # GPT-3 175B, as in Korthikanti et al. 2022
+    got = worker.call(_activation_memory, s, b, h, a)
     for t in (1, 8):
         expected = s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
-        assert_close(torch.tensor(acc.activation_bytes_per_layer(s, b, h, a, tp=t), dtype=torch.float64),
+        assert_close(torch.tensor(got["tp"][t], dtype=torch.float64),
                      torch.tensor(expected, dtype=torch.float64), name=f"activation bytes per layer, tp={t}",
                      section="handout 06 §6.2", rtol=1e-12, atol=0)
-    sp = acc.activation_bytes_per_layer(s, b, h, a, tp=8, sequence_parallel=True)
-    assert_close(torch.tensor(sp, dtype=torch.float64), torch.tensor(s * b * h * (34 + 5 * a * s / h) / 8,
+    assert_close(torch.tensor(got["sp"], dtype=torch.float64), torch.tensor(s * b * h * (34 + 5 * a * s / h) / 8,
                  dtype=torch.float64), name="activation bytes per layer, tp=8 with sequence parallelism",
                  section="handout 06 §6.2", rtol=1e-12, atol=0)
-    mem = acc.memory_per_device(175e9, num_layers=96, seq_len=s, micro_batch=b, d_model=h, num_heads=a,
-                                dp=8, tp=8, pp=8, zero_stage=1)
+    mem = got["mem"]
     state = 175e9 / 64 * (2 + 2 + 12 / 8)
-    act = acc.activation_bytes_per_layer(s, b, h, a, tp=8) * 96 / 8 * 8  # stage 0 of 1F1B: pp micro-batches
+    act = got["tp8"] * 96 / 8 * 8  # stage 0 of 1F1B: pp micro-batches
     assert_close(torch.tensor([mem["activations"], mem["total"]], dtype=torch.float64),
                  torch.tensor([act, state + act], dtype=torch.float64),
                  name="memory_per_device activations and total (175B, dp8 tp8 pp8, ZeRO-1)",
                  section="handout 06 §6.2", rtol=1e-9, atol=0)
 
 
+# train_4d.TINY_MOE with 5 layers, and Train4DConfig's model defaults (given code), spelled out: the judge builds
+# the same model to count its parameters.
+COUNTED = dict(dp=1, tp=2, pp=3, ep=2, global_batch_size=4, micro_batch_size=2, grad_accum_steps=1,
+               model=ModelConfig(vocab_size=128, context_length=16, d_model=32, d_ff=64, num_layers=5, num_heads=4),
+               num_experts=4, top_k=2, capacity_factor=1.25, seed=0)
+
+
+def _documented_split(num_layers: int, pp: int) -> list[tuple[int, int]]:
+    """Handout 06 §3.1: contiguous layer ranges, the first ``num_layers % pp`` stages one layer more."""
+    base, extra = divmod(num_layers, pp)
+    bounds, start = [], 0
+    for s in range(pp):
+        bounds.append((start, start + base + (s < extra)))
+        start = bounds[-1][1]
+    return bounds
+
+
 @pytest.mark.points(2)
-def test_stage_parameter_counts_match_the_model(impl):
-    t4, acc = impl.parallel.train_4d, impl.parallel.accounting
-    cfg = t4.Train4DConfig(dp=1, tp=2, pp=3, ep=2, global_batch_size=4, micro_batch_size=2, grad_accum_steps=1,
-                           model=t4.TINY_MOE.with_(num_layers=5))
-    model = t4.build_model(cfg)
-    bounds = impl.parallel.pipeline_parallel.split_layers(5, 3)
+def test_stage_parameter_counts_match_the_model(worker):
+    cfg = COUNTED
+    got = worker.call(_stage_parameter_counts, cfg)
+    model = moe_transformer(cfg["model"], seed=cfg["seed"], num_experts=cfg["num_experts"], top_k=cfg["top_k"],
+                            capacity_factor=cfg["capacity_factor"])
+    # The stages hold the layers handout 06 §3.1 gives them (the split train_4d's PipelineStage uses).
+    bounds = _documented_split(cfg["model"].num_layers, cfg["pp"])
     for stage, (start, end) in enumerate(bounds):
         dense = expert = 0
         for name, p in model.named_parameters():
@@ -96,24 +163,24 @@ def test_stage_parameter_counts_match_the_model(impl):
                     continue
             elif name.startswith("token_embeddings") and stage != 0:
                 continue
-            elif (name.startswith("final_norm") or name.startswith("lm_head")) and stage != cfg.pp - 1:
+            elif (name.startswith("final_norm") or name.startswith("lm_head")) and stage != cfg["pp"] - 1:
                 continue
             if name.endswith(("ffn.w1", "ffn.w2", "ffn.w3")):
-                expert += p.numel() // cfg.ep
+                expert += p.numel() // cfg["ep"]
             elif name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight", "output_proj.weight")):
-                dense += p.numel() // cfg.tp
+                dense += p.numel() // cfg["tp"]
             else:
                 dense += p.numel()
-        assert_equal(acc.stage_parameter_counts(cfg, stage), {"dense": dense, "expert": expert},
+        assert_equal(got[stage], {"dense": dense, "expert": expert},
                      name=f"stage {stage} (layers {start}–{end - 1}) parameters per rank, tp2 ep2",
                      section="handout 06 §6.3")
 
 
 @pytest.mark.points(1)
-def test_fsdp_tp_compute_bound(impl):
-    acc = impl.parallel.accounting
+def test_fsdp_tp_compute_bound(worker):
     # H100 SXM: ~989 TFLOP/s bf16; 400 Gb/s InfiniBand per GPU between nodes; ~450 GB/s NVLink per direction.
-    got = acc.fsdp_tp_compute_bound(peak_flops=989e12, fsdp_bandwidth=50e9, tp_bandwidth=450e9, d_ff=28672, fsdp=64)
+    got = worker.call(_fsdp_tp_compute_bound, dict(peak_flops=989e12, fsdp_bandwidth=50e9, tp_bandwidth=450e9,
+                                                   d_ff=28672, fsdp=64))
     per_shard = 989e12 / 50e9
     expected = {"min_tokens_per_fsdp_shard": per_shard, "min_global_tokens": per_shard * 64,
                 "max_tp": 28672 * 450e9 / 989e12}
