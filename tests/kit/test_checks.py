@@ -182,7 +182,8 @@ def test_worker_returns_data_and_stays_warm() -> None:
 
 def test_worker_failures_keep_their_kind() -> None:
     worker = Worker()
-    with pytest.raises(NotImplementedError, match=r"^Problem 9\.1: implement the stub \(handout 09 §1\)\n\(check '_stub'\)"):
+    stub = r"^Problem 9\.1: implement the stub \(handout 09 §1\)\n\(check '_stub'\)"
+    with pytest.raises(NotImplementedError, match=stub):
         worker.call(_stub)
     with pytest.raises(RankCheckError, match=r"exited with code 7 without reporting"):
         worker.call(_crash)
