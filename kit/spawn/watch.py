@@ -68,13 +68,19 @@ def _children_map() -> dict[int, list[int]]:
 
 @dataclass
 class TreeWatch:
-    """CPU time and progress of the processes rooted at ``roots`` (and everything they start)."""
+    """CPU time and progress of the processes rooted at ``roots`` (and everything they start), from now."""
 
     roots: list[int]
     cpu_seen: dict[int, float] = field(default_factory=dict)  # last CPU time read per pid (gone ones keep it)
     last_progress: float = field(default_factory=time.monotonic)
     started: float = field(default_factory=time.monotonic)
     history: deque = field(default_factory=deque)  # (time, {pid: CPU seconds}) of the samples in the window
+
+    def __post_init__(self) -> None:
+        # What already ran (the persistent worker, a zygote it started earlier) counts from now: its CPU so far
+        # was earlier requests'.
+        self.baseline = {pid: info[2] for pid in (self.pids() if HAS_PROC else [])
+                         if (info := _stat(pid)) is not None}
 
     def pids(self) -> list[int]:
         """The roots and their live descendants."""
@@ -97,7 +103,7 @@ class TreeWatch:
         for pid in self.pids():
             info = _stat(pid)
             if info is not None and info[1] != "Z":
-                self.cpu_seen[pid] = max(self.cpu_seen.get(pid, 0.0), info[2])
+                self.cpu_seen[pid] = max(self.cpu_seen.get(pid, 0.0), info[2] - self.baseline.get(pid, 0.0))
         now = time.monotonic()
         self.history.append((now, dict(self.cpu_seen)))
         while self.history and self.history[0][0] < now - WINDOW_S:
