@@ -77,7 +77,7 @@ def test_batch_grades_correct_stub_crashing_and_hanging_submissions(tmp_path: Pa
     folder = tmp_path / "batch"
     _submission(folder, "correct", ref)
     _submission(folder, "stub", None)
-    # Kills the interpreter in the middle of the run: the tests that passed before still count.
+    # Kills its worker in the middle of the run: that test fails, the tests around it still count.
     marker = "    # BEGIN SOLUTION warm up, profile one call"
     crash = ref.replace(marker, "    import os; os._exit(0)\n" + marker)
     _submission(folder, "crashing", crash)
@@ -89,7 +89,7 @@ def test_batch_grades_correct_stub_crashing_and_hanging_submissions(tmp_path: Pa
     (folder / "correct" / "conftest.py").write_text("raise SystemExit('a submission conftest must never run')\n")
 
     out = tmp_path / "grades"
-    limits = running.Limits(timeout=300, per_test_timeout=20)
+    limits = running.Limits(timeout=300, per_test_timeout=120, idle_limit=5)
     results = {r.submission: r for r in batch.grade_batch(folder, out, stages=[1], limits=limits, jobs=2).results}
     full = results["correct"].max_score
     assert results["correct"].score == full > 0, reporting.format_table(results["correct"])
@@ -97,13 +97,14 @@ def test_batch_grades_correct_stub_crashing_and_hanging_submissions(tmp_path: Pa
     assert results["stub"].score == 0
     assert results["import_error"].score == 0 and results["import_error"].status == "ok"
     crashed = results["crashing"]
-    # The test that killed the interpreter fails; every other test is rerun in a fresh process and passes.
+    # The test whose worker died fails, saying so; a fresh worker runs the others, and they pass.
     profile_test = next(t for t in crashed.tests if "profile_step" in t.nodeid)
-    assert profile_test.status == "failed" and "exited during this test" in profile_test.output
-    assert crashed.status == "crashed" and crashed.score == full - profile_test.points, reporting.format_table(crashed)
+    assert profile_test.status == "failed" and "exited with code 0 without reporting" in profile_test.output
+    assert crashed.status == "ok" and crashed.score == full - profile_test.points, reporting.format_table(crashed)
     hanging = results["hanging"]
     stuck = next(t for t in hanging.tests if "profile_step" in t.nodeid)
-    assert stuck.status == "failed" and "time limit" in stuck.output, stuck.output[-2000:]
+    assert stuck.status == "failed" and "made no progress for 5 s" in stuck.output, stuck.output[-2000:]
+    assert "in profile_step" in stuck.output, "where it was stuck"
     assert hanging.score == full - stuck.points
 
     for name in results:
