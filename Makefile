@@ -38,7 +38,7 @@ wheelhouse: ## wheels a CUDA machine may lack into wheelhouse/ (WHEEL_PYTHON=3.1
 	@du -sh wheelhouse; echo "copy wheelhouse/ to the GPU machine, then: make setup GPU=1 WHEELS=wheelhouse"
 
 gpu-check: setup ##@instructor on a CUDA machine: doctor, GPU tests, compiled Stage 3, goals → benchmarks/results/gpu/ (< 8 min)
-	$(PY) -m kit.gpu_check
+	$(PY) -m instructor gpu-check
 
 check-kernels: setup ##@instructor compile every FlashAttention GPU config for sm_90 (D 64/128, bf16/fp16): wgmma, smem, 0 spills; no GPU
 	LLMSYS_KERNEL_SWEEP=full $(PY) -m pytest tests/kit/test_kernel_candidates.py --impl reference -q -p no:cacheprovider
@@ -64,16 +64,16 @@ lint: setup ## ruff
 	$(PY) -m ruff check .
 
 student: setup ##@instructor regenerate student/ from reference/ (LEVEL=open: public API only; never edit by hand)
-	$(PY) -m kit release --student --level $(LEVEL)
+	$(PY) -m instructor release --student --level $(LEVEL)
 
 check-student: setup ##@instructor fail when student/ is stale
-	$(PY) -m kit release --check
+	$(PY) -m instructor release --check
 
 release: setup ##@instructor build dist/student-release/ (no reference, no hidden tests; LEVEL=open as above)
-	$(PY) -m kit release --build --level $(LEVEL)
+	$(PY) -m instructor release --build --level $(LEVEL)
 
 autograder: setup ##@instructor build dist/autograder.zip for Gradescope (kit + public and hidden tests, no reference)
-	$(PY) -m kit autograder
+	$(PY) -m instructor autograder
 
 RUNS ?= 20
 LOAD ?= 0
@@ -88,13 +88,13 @@ soak: setup ##@instructor run the graded reference suite RUNS times; stops at th
 	done; echo "$(RUNS) consecutive green runs of the graded reference suite$(if $(filter-out 0,$(LOAD)), with $(LOAD) busy processes alongside)"
 
 timings: setup ##@instructor record each graded test's reference time in tests/timings.json (the grader's per-test limits)
-	$(PY) -m kit grade --impl reference --hidden --record-timings $(if $(STAGE),--stage $(STAGE))
+	$(PY) -m instructor timings $(if $(STAGE),--stage $(STAGE))
 
 mutants: setup ##@instructor the misconception catalogue (tests/kit/mutants): each mistake must fail a public test (STAGE=N or auto, BUDGET=seconds)
-	$(PY) -m kit mutants $(if $(STAGE),--stage $(STAGE)) $(if $(BUDGET),--budget $(BUDGET))
+	$(PY) -m instructor mutants $(if $(STAGE),--stage $(STAGE)) $(if $(BUDGET),--budget $(BUDGET))
 
 answers: setup ##@instructor render the answer key (instructor/answers) into answers-output/ (STAGE=N for some stages)
-	$(PY) -m kit answers $(if $(STAGE),--stage $(STAGE))
+	$(PY) -m instructor answers $(if $(STAGE),--stage $(STAGE))
 
 stages: setup ## list the stages (kit/stages.py): number, title, modules, handout chapters
 	@$(PY) -m kit stages

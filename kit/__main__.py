@@ -1,7 +1,8 @@
-"""Command line: ``python -m kit {grade,autograde,autograder,release,check-handout,stages,doctor,nsys-summary,
-mutants,answers}``.
+"""The kit's command line, what a student's copy and a grading machine use:
+``python -m kit {grade,autograde,check-handout,stages,doctor,nsys-summary}``.
 
-``--help`` on each for details.
+``--help`` on each for details. The instructor's tools (release, autograder bundle, mutants, answer key,
+GPU check, timings) are ``python -m instructor``, which never ships.
 """
 
 from __future__ import annotations
@@ -51,18 +52,6 @@ def _grade_batch(args: argparse.Namespace, **kwargs) -> int:
     return 0
 
 
-def _record_timings(result) -> None:
-    from kit.grading import timings
-    from kit.grading.staging import ROOT
-
-    failed = [t.nodeid for t in result.tests if t.status != "passed"]
-    if result.status != "ok" or failed:
-        raise SystemExit(f"--record-timings needs a complete run with every test passing; failed: {failed[:5]}")
-    command = "python -m kit " + " ".join(sys.argv[1:])
-    for path in timings.record({t.nodeid: t.durations for t in result.tests}, ROOT, command):
-        print(f"wrote {path.relative_to(ROOT)}")
-
-
 def cmd_grade(args: argparse.Namespace) -> int:
     from kit.grading import processes, reporting, running
 
@@ -70,8 +59,6 @@ def cmd_grade(args: argparse.Namespace) -> int:
     kwargs = dict(stages=_stages(args.stage), include_hidden=args.hidden, limits=_limits(args))
     if args.batch:
         return _grade_batch(args, **kwargs)
-    if args.record_timings and args.impl != "reference":
-        raise SystemExit("--record-timings records the reference's durations: use it with --impl reference")
     try:
         result = running.grade(args.impl, **kwargs)
     except FileNotFoundError as exc:
@@ -88,14 +75,12 @@ def cmd_grade(args: argparse.Namespace) -> int:
         print(f"\nwrote {args.json}")
     if result.status == "interrupted":
         return processes.interrupted_exit_code() or 1
-    if args.record_timings:
-        _record_timings(result)
     return 0  # a score of 0 is a result, not an error
 
 
 def cmd_autograde(args: argparse.Namespace) -> int:
-    from kit.autograder import autograde
     from kit.grading import processes
+    from kit.grading.autograde import autograde
 
     processes.install_interrupt_handlers()
     data = autograde(Path(args.submission), Path(args.results), stages=_stages(args.stage), limits=_limits(args))
@@ -114,41 +99,10 @@ def cmd_stages(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_autograder_bundle(args: argparse.Namespace) -> int:
-    from kit.autograder import build_autograder
-
-    print(f"built {build_autograder(Path(args.out)) if args.out else build_autograder()}")
-    return 0
-
-
 def cmd_check_handout(args: argparse.Namespace) -> int:
     from kit.handout_check import main
 
     return main()
-
-
-def cmd_release(args: argparse.Namespace) -> int:
-    from kit import release
-
-    if not (args.student or args.check or args.build):
-        print("python -m kit release: say what to do: --student (regenerate student/, `make student`), "
-              "--check (fail when student/ is stale) or --build (dist/student-release/, `make release`)",
-              file=sys.stderr)
-        return 2
-    if args.student:
-        written = release.write_student(level=args.level)
-        print(f"regenerated student/ from reference/ at the {args.level} level ({len(written)} files)")
-    if args.check:
-        stale = release.stale_student_files()
-        if stale:
-            print("student/ is stale — run `make student`: " + ", ".join(stale), file=sys.stderr)
-            return 1
-        print("student/ is up to date with reference/")
-    if args.build:
-        out = release.build_release(Path(args.out) if args.out else release.ROOT / "dist" / "student-release",
-                                    level=args.level)
-        print(f"built the student release in {out}")
-    return 0
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
@@ -164,21 +118,6 @@ def cmd_nsys_summary(args: argparse.Namespace) -> int:
     rows = summarize_nsys_csv(Path(args.nvtx_csv), Path(args.kern_csv) if args.kern_csv else None)
     print(format_summary(rows))
     return 0
-
-
-def cmd_answers(args: argparse.Namespace) -> int:
-    try:
-        from kit import answers
-    except ImportError:
-        raise SystemExit("the answer key is in the instructor's copy of the kit only") from None
-
-    return answers.main(args.rest)
-
-
-def cmd_mutants(args: argparse.Namespace) -> int:
-    from kit import mutants
-
-    return mutants.main(args.rest)
 
 
 def _limit_options(p: argparse.ArgumentParser) -> None:
@@ -214,18 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--only", help="with --batch: regrade these submissions (comma-separated); other rows stay")
     g.add_argument("--force", action="store_true",
                    help="with --batch: regrade every submission (default: skip those already graded as they are)")
-    g.add_argument("--record-timings", action="store_true",
-                   help="with --impl reference: write each test's durations to tests/timings.json (make timings)")
     g.set_defaults(func=cmd_grade)
-
-    r = sub.add_parser("release", help="regenerate student/ and build the student release")
-    r.add_argument("--student", action="store_true", help="regenerate student/ from reference/")
-    r.add_argument("--check", action="store_true", help="fail when student/ is stale")
-    r.add_argument("--build", action="store_true", help="build dist/student-release/")
-    r.add_argument("--out", help="release folder (default dist/student-release)")
-    r.add_argument("--level", choices=("guided", "open"), default="guided",
-                   help="stubs: guided (default, what student/ holds) or open (public API only; see kit/stubs.py)")
-    r.set_defaults(func=cmd_release)
 
     a = sub.add_parser("autograde", help="grade one uploaded submission (what Gradescope's run_autograder calls)")
     a.add_argument("--submission", required=True, help="the uploaded submission folder")
@@ -233,10 +161,6 @@ def main(argv: list[str] | None = None) -> int:
     a.add_argument("--stage", help="only these stages (for quick local checks)")
     _limit_options(a)
     a.set_defaults(func=cmd_autograde)
-
-    b = sub.add_parser("autograder", help="build dist/autograder.zip for Gradescope")
-    b.add_argument("--out", help="bundle path (default dist/autograder.zip)")
-    b.set_defaults(func=cmd_autograder_bundle)
 
     c = sub.add_parser("check-handout", help="check that the handout, the tests and the points agree")
     c.set_defaults(func=cmd_check_handout)
@@ -249,27 +173,12 @@ def main(argv: list[str] | None = None) -> int:
     d = sub.add_parser("doctor", help="what this machine can run: versions, CUDA, Triton mode, nsys")
     d.set_defaults(func=cmd_doctor)
 
-    m = sub.add_parser("mutants", help="run the misconception catalogue: does each mistake fail a public test? "
-                       "(python -m kit mutants --help)", add_help=False)
-    m.add_argument("rest", nargs=argparse.REMAINDER)
-    m.set_defaults(func=cmd_mutants)
-
-    k = sub.add_parser("answers", help="render the instructor's answer key into answers-output/ "
-                       "(python -m kit answers --help)", add_help=False)
-    k.add_argument("rest", nargs=argparse.REMAINDER)
-    k.set_defaults(func=cmd_answers)
-
     n = sub.add_parser("nsys-summary", help="kernel time per NVTX range from `nsys stats` CSV files")
     n.add_argument("nvtx_csv", help="CSV of `nsys stats --report nvtx_sum --format csv`")
     n.add_argument("kern_csv", nargs="?", help="CSV of `nsys stats --report cuda_gpu_kern_sum --format csv`")
     n.set_defaults(func=cmd_nsys_summary)
 
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["mutants"]:  # its own options, --help included, belong to kit.mutants
-        return cmd_mutants(argparse.Namespace(rest=argv[1:]))
-    if argv[:1] == ["answers"]:
-        return cmd_answers(argparse.Namespace(rest=argv[1:]))
-    args = parser.parse_args(argv)
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     return args.func(args)
 
 

@@ -27,6 +27,10 @@ class Stage:
             ``reference/``, e.g. ``("ddp", "collectives")``.
         chapters: handout chapters, relative to ``handout/``; problems ``N.k`` live in them.
         tests: test files of the stage, relative to ``tests/`` (globs allowed).
+        designs_required: how many alternative designs (``tests/kit/designs/stage<N>/``) must pass its tests. A
+            stage whose tests observe how the code works — collectives, hooks, the order of events — needs them,
+            as proof that those tests judge behaviour any correct design has, not the reference's internals.
+        gpu_kernels: its code includes GPU kernels, compiled on a GPU (``make gpu-check`` runs its tests compiled).
     """
 
     number: int
@@ -34,6 +38,8 @@ class Stage:
     modules: tuple[str, ...]
     chapters: tuple[str, ...]
     tests: tuple[str, ...]
+    designs_required: int = 0
+    gpu_kernels: bool = False
 
     @property
     def marker(self) -> str:
@@ -52,13 +58,13 @@ STAGES: tuple[Stage, ...] = (
     Stage(2, "Mixed precision", ("precision",), ("02-mixed-precision.md",),
           ("test_stage2_*.py", "hidden/test_stage2_*.py")),
     Stage(3, "FlashAttention-2 in Triton", ("flash_attention",), ("03-flash-attention.md",),
-          ("test_stage3_*.py", "hidden/test_stage3_*.py")),
+          ("test_stage3_*.py", "hidden/test_stage3_*.py"), gpu_kernels=True),
     Stage(4, "Distributed data parallel", ("ddp", "collectives"), ("04-ddp.md",),
-          ("test_stage4_*.py", "hidden/test_stage4_*.py")),
+          ("test_stage4_*.py", "hidden/test_stage4_*.py"), designs_required=2),
     Stage(5, "Sharded data parallel: ZeRO-1 and FSDP", ("zero", "fsdp"), ("05-zero.md", "05b-fsdp.md"),
-          ("test_stage5_*.py", "hidden/test_stage5_*.py")),
+          ("test_stage5_*.py", "hidden/test_stage5_*.py"), designs_required=2),
     Stage(6, "4D parallelism", ("parallel",), ("06-4d-parallelism.md",),
-          ("test_stage6_*.py", "hidden/test_stage6_*.py")),
+          ("test_stage6_*.py", "hidden/test_stage6_*.py"), designs_required=2),
 )
 
 

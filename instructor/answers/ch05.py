@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import reference.zero as zero
-from kit import answers
+from instructor import answer_key as answers
 
 MIXED = dict(param_bytes=2, grad_bytes=2, optimizer_bytes_per_param=12)
 FP32 = dict(param_bytes=4, grad_bytes=4, optimizer_bytes_per_param=8)

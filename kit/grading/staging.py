@@ -10,6 +10,8 @@ import hashlib
 import shutil
 from pathlib import Path
 
+from kit import tree
+
 ROOT = Path(__file__).resolve().parents[2]
 
 # Files that would change how pytest or Python start up, never taken from a submission.
@@ -58,17 +60,20 @@ def content_hash(submission: Path) -> str:
     return digest.hexdigest()[:16]
 
 
+GRADING_PARTS = ("kit", "tests", "pyproject.toml")  # what a grading tree holds besides the submission
+
+
+def _grading_excludes(include_hidden: bool) -> tuple[str, ...]:
+    return ("tests/kit",) + (() if include_hidden else ("tests/hidden",))
+
+
 def grader_hash(include_hidden: bool, root: Path = ROOT) -> str:
-    """A hash of everything but the submission that a grade depends on: the kit, the graded tests (and
-    ``tests/timings.json``, the hidden tests with ``include_hidden``), the handout (problem numbers) and
-    ``pyproject.toml``. A result graded under another hash is stale."""
+    """A hash of everything but the submission that a grade depends on: what a grading tree copies (the kit, the
+    graded tests and ``tests/timings.json``, the hidden tests with ``include_hidden``, ``pyproject.toml``) and the
+    handout (problem numbers). A result graded under another hash is stale."""
     digest = hashlib.sha256()
-    paths = [root / "pyproject.toml", *sorted((root / "handout").glob("*.md"))]
-    for folder, skip in (("kit", ()), ("tests", ("kit",) + (() if include_hidden else ("hidden",)))):
-        paths += [p for p in sorted((root / folder).rglob("*")) if p.is_file() and "__pycache__" not in p.parts
-                  and p.suffix != ".pyc" and p.relative_to(root / folder).parts[0] not in skip]
-    for path in paths:
-        digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    for rel in tree.files([*GRADING_PARTS, "handout"], root=root, exclude=_grading_excludes(include_hidden)):
+        digest.update(rel.encode() + b"\0" + (root / rel).read_bytes() + b"\0")
     return digest.hexdigest()[:16]
 
 
@@ -79,18 +84,7 @@ def stage_submission(submission: Path, dest: Path, *, include_hidden: bool = Fal
     what was ignored (anything but ``.py`` files under ``student/``).
     """
     files, notes = gradable_files(submission)
-    ignore_tree = shutil.ignore_patterns("__pycache__", "*.pyc", ".pytest_cache")
-    dest.mkdir(parents=True, exist_ok=True)
-    shutil.copytree(ROOT / "kit", dest / "kit", ignore=ignore_tree)
-
-    def tests_ignore(directory: str, names: list[str]) -> list[str]:
-        skip = set(ignore_tree(directory, names))
-        if Path(directory) == ROOT / "tests":
-            skip |= {"kit"} | (set() if include_hidden else {"hidden"})
-        return list(skip)
-
-    shutil.copytree(ROOT / "tests", dest / "tests", ignore=tests_ignore)
-    shutil.copy2(ROOT / "pyproject.toml", dest / "pyproject.toml")
+    tree.copy(dest, GRADING_PARTS, exclude=_grading_excludes(include_hidden))
     for rel, path in files.items():
         target = dest / "student" / rel
         target.parent.mkdir(parents=True, exist_ok=True)

@@ -1,6 +1,6 @@
 """Per-test limits derived from each test's own reference run: CPU seconds, not the wall clock.
 
-``make timings`` (``python -m kit grade --impl reference --hidden --record-timings``) writes, for every
+``make timings`` (``python -m instructor timings``) writes, for every
 graded test, the reference's wall seconds of setup, call and teardown and the **CPU seconds its workers
 used** in setup and call, to ``tests/timings.json`` (hidden tests to ``tests/hidden/timings.json``,
 which never ships): ``[setup, call, teardown, cpu_setup, cpu_call]``. A graded test then gets
@@ -24,9 +24,6 @@ This module is imported by the test process too (through the grading plugin): st
 from __future__ import annotations
 
 import json
-import os
-import platform
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -83,41 +80,3 @@ class Limits:
         cpu = self.file_setup[f] + self.timings[nodeid][4]
         cpu = max(cpu, self.file_run[f]) if first_in_file else cpu
         return Budget(max(self.floor, self.factor * cpu), self.cap, self.cap)
-
-
-def _write(path: Path, tests: dict[str, list[float]], command: str) -> None:
-    header = {
-        "about": "Reference seconds of each graded test: wall [setup, call, teardown], then the CPU its workers "
-                 "used [setup, call]; the grader derives per-test CPU budgets from them (kit/grading/timings.py). "
-                 "Regenerate with `make timings`.",
-        "recorded": {"machine": f"{os.cpu_count()} cores, {platform.machine()}, {platform.system()}",
-                     "date": time.strftime("%Y-%m-%d"), "command": command},
-    }
-    lines = [f"  {json.dumps(k)}: {json.dumps(tests[k])}" for k in sorted(tests)]
-    body = json.dumps(header, indent=2)[:-2] + ',\n  "tests": {\n  ' + ",\n  ".join(lines) + "\n  }\n}\n"
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(body)
-    tmp.replace(path)
-
-
-def record(durations: dict[str, list[float]], root: Path, command: str) -> list[Path]:
-    """Merge measured ``{nodeid: [setup, call, teardown]}`` into the timings files; return those written.
-
-    A file's tests that were not measured this time are dropped when others of the same file were (they
-    no longer exist); tests of files not graded this time keep their old times.
-    """
-    written = []
-    for name in FILES:
-        path = root / name
-        folder = Path(name).parent.as_posix() + "/"
-        mine = {k: [round(x, 3) for x in v] for k, v in durations.items()
-                if k.startswith(folder) and "/" not in k[len(folder):].split("::")[0]}
-        if not mine:
-            continue
-        old = json.loads(path.read_text())["tests"] if path.exists() else {}
-        measured_files = {k.split("::")[0] for k in mine}
-        kept = {k: v for k, v in old.items()
-                if k.split("::")[0] not in measured_files and (root / k.split("::")[0]).exists()}
-        _write(path, {**kept, **mine}, command)
-        written.append(path)
-    return written

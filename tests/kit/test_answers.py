@@ -1,4 +1,4 @@
-"""The instructor's answer key (kit/answers.py, instructor/answers/): complete, and computed by the code.
+"""The instructor's answer key (instructor/answer_key.py, instructor/answers/): complete, and computed by the code.
 
 Every problem the handout marks ``(written …)`` has a section in the rendered key; no placeholder is left
 un-rendered; and a number in the key is the code's, not a typed copy: patch a formula or a preset and the
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from kit import answers
+from instructor import answer_key as answers
 
 
 @pytest.fixture(scope="module")

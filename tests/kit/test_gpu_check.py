@@ -1,4 +1,4 @@
-"""`make gpu-check` (kit/gpu_check.py) checked on a CPU: it explains that it needs CUDA and exits 0; on a
+"""`make gpu-check` (instructor/gpu_check.py) checked on a CPU: it explains that it needs CUDA and exits 0; on a
 (faked) GPU its orchestration, logs, summary, exit status and goal report behave, with a fake runner in
 place of the real steps. The GPU figures themselves are only ever measured on a GPU."""
 
@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from kit import gpu_check
+from instructor import gpu_check
 
 pytestmark = pytest.mark.kit
 ROOT = Path(__file__).resolve().parents[2]
@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_cpu_machine_explains_and_exits_zero(tmp_path):
     out = tmp_path / "gpu"
-    proc = subprocess.run([sys.executable, "-m", "kit.gpu_check", "--out", str(out)], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-m", "instructor.gpu_check", "--out", str(out)], cwd=ROOT,
                           capture_output=True, text=True, timeout=120, env={"CUDA_VISIBLE_DEVICES": "",
                                                                             "PATH": "/usr/bin:/bin"})
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -31,7 +31,7 @@ def test_cpu_machine_explains_and_exits_zero(tmp_path):
 
 def test_makefile_has_the_targets():
     text = (ROOT / "Makefile").read_text()
-    assert "gpu-check: setup" in text and "-m kit.gpu_check" in text
+    assert "gpu-check: setup" in text and "-m instructor.gpu_check" in text
     assert "wheelhouse:" in text and "--wheels $(WHEELS)" in text
 
 
@@ -192,7 +192,7 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kit.gpu_check import compiled_row
+from instructor.gpu_check import compiled_row
 
 
 @triton.jit

@@ -24,7 +24,8 @@ import pytest
 import torch
 
 import kit  # noqa: F401 — before triton
-from kit import gpu_check, triton_compile
+from instructor import gpu_check
+from kit import triton_compile
 from kit.impl import load
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from kit import release
+from instructor import release
 
 ROOT = Path(__file__).resolve().parents[2]
 WRONG_FAILURES = ("AttributeError", "ImportError", "ModuleNotFoundError", "NameError", "UnboundLocalError")

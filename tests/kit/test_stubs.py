@@ -1,4 +1,4 @@
-"""The marker language (kit/stubs.py): SOLUTION, PROMPT and SCAFFOLD blocks, the two levels, and the checks
+"""The marker language (instructor/stubs.py): SOLUTION, PROMPT and SCAFFOLD blocks, the two levels, and the checks
 that stop a broken stub from shipping — names left undefined, markers misused, stub kernels that would
 fail on a GPU with an unrelated compiler error."""
 
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from kit import release
-from kit.stubs import MarkerError, render
+from instructor import release
+from instructor.stubs import MarkerError, render
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -328,7 +328,7 @@ def test_stub_kernel_raises_not_implemented_in_the_interpreter(tmp_path):
 
 def test_the_student_flash_kernels_fail_on_a_gpu_with_their_messages(tmp_path):
     """The real stubs: every stub kernel of student/flash_attention compiled for sm_90 names its own task."""
-    from kit.stubs import parse
+    from instructor.stubs import parse
 
     for module in ("triton_forward", "triton_backward"):
         parsed = parse((ROOT / "reference" / "flash_attention" / f"{module}.py").read_text())

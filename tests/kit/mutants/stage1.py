@@ -1,6 +1,6 @@
 """Stage 1 mistakes (handout/01-benchmarking.md): each must fail a public test with a message that points at it."""
 
-from kit.mutants import Mutant
+from instructor.mutants import Mutant
 
 MUTANTS = [
     Mutant("no-sync-before-clock", "benchmarking.py",

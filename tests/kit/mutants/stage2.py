@@ -1,6 +1,6 @@
 """Stage 2 mistakes (handout/02-mixed-precision.md): each must fail a public test with a message that points at it."""
 
-from kit.mutants import Mutant
+from instructor.mutants import Mutant
 
 _TRAIN_CLIP = ("            scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones\n"
                "            torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)\n")

@@ -1,6 +1,6 @@
 """Stage 3 mistakes (handout/03-flash-attention.md): each must fail a public test with a message that points at it."""
 
-from kit.mutants import Mutant
+from instructor.mutants import Mutant
 
 # The PyTorch forward's tile loop, and the same loop kept in the input dtype (no .float(), fp16 m/l/acc).
 _FP32_FORWARD = '''            q_tile = q[..., i0:i1, :].float()
@@ -146,4 +146,10 @@ MUTANTS = [
            replace="nq * d, d, nk * d, d, nk * d, d,",
            mistake="the launcher assumes contiguous (BH, N, D) inputs instead of passing the real strides (§5)",
            expect="strides|permute"),
+    Mutant("triton-backward-swaps-dk-dv", "flash_attention/triton_impl.py",
+           find="        return dq, dk, dv, None\n",
+           replace="        return dq, dv, dk, None\n",
+           mistake="the autograd wrapper hands back its gradients in the wrong order: dV as k's gradient and dK as "
+                   "v's (backward returns one gradient per forward input, in order; §6)",
+           expect=r"d[KV] \(FlashAttentionTriton"),
 ]

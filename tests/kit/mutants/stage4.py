@@ -1,6 +1,6 @@
 """Stage 4 mistakes (handout/04-ddp.md): each must fail a public test with a message that points at it."""
 
-from kit.mutants import Mutant
+from instructor.mutants import Mutant
 
 MUTANTS = [
     Mutant("sum-not-average", "ddp.py",

@@ -1,7 +1,7 @@
 """Stage 5 mistakes (handout/05-zero.md, handout/05b-fsdp.md): each must fail a public test with a message that
 points at it. ZeRO-1 (zero.py) first, then FSDP (fsdp.py)."""
 
-from kit.mutants import Mutant
+from instructor.mutants import Mutant
 
 MUTANTS = [
     # ------------------------------------------------------------------------------------------------ ZeRO-1

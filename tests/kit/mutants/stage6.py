@@ -4,7 +4,7 @@ The pieces (tensor, pipeline, expert parallelism) are tested alone before the 4D
 (``RUN_AFTER_UNITS`` in test_stage6_mesh_4d.py), so a mistake in a piece is named by that piece's test.
 """
 
-from kit.mutants import Mutant
+from instructor.mutants import Mutant
 
 MUTANTS = [
     # ------------------------------------------------------------------------------------ tensor parallel (§2)

@@ -1,4 +1,10 @@
-"""Backward kernels, alternative design: two kernels; the dQ kernel also computes Delta = rowsum(dO ∘ O)."""
+"""Design override: One key loop with the causal bound in the loop limit; a two-kernel backward whose dQ kernel
+also computes Delta; own kernel and parameter names (LSE, USE_EXP2), batch·heads on grid axis 0, own launch
+configs.
+
+Only what this design writes differently from reference/flash_attention/triton_backward.py:
+instructor/overrides.py builds the graded module from the reference and these definitions.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +16,8 @@ import triton.language as tl
 
 from .checks import as_3d
 from .triton_config import dot_precision, upcast_in_kernel
+
+ADDS = ('attn_bwd_dq_and_delta', 'attn_bwd_dk_dv', 'launch_config')
 
 
 @triton.jit

@@ -14,7 +14,7 @@ and the student copy gets, at the marker's indentation::
         raise NotImplementedError("time_fn: time each call between two synchronisations (handout 01 §1.1)")
 
 Everything outside the markers — imports, signatures, docstrings, argument checks, given helpers — is
-copied as is. :mod:`kit.stubs` defines the whole marker language (SOLUTION, PROMPT, SCAFFOLD) and the
+copied as is. :mod:`instructor.stubs` defines the whole marker language (SOLUTION, PROMPT, SCAFFOLD) and the
 two levels: ``guided`` (the default, what ``student/`` holds) and ``open`` (public API only).
 A file with at least one stub is stamped "Your work goes in this file"; the others "Given code".
 """
@@ -23,10 +23,12 @@ from __future__ import annotations
 
 import re
 import shutil
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from kit.stubs import LEVELS, MarkerError, parse, render
+from instructor.stubs import LEVELS, MarkerError, parse, render
+from kit import tree
 
 __all__ = ["LEVELS", "MarkerError", "build_release", "render_student", "solution_blocks", "stale_student_files",
            "strip_solutions", "write_student"]
@@ -37,15 +39,22 @@ ROOT = Path(__file__).resolve().parent.parent
 GENERATED_HEADER = "# Your work goes in this file. Generated from the kit's reference by `make student`.\n"
 GIVEN_HEADER = "# Given code — read, don't edit. Generated from the kit's reference by `make student`.\n"
 
-# What a student release contains (relative to the repository root) and what it never contains.
-RELEASE_INCLUDE = (
-    "README.md", "Makefile", "pyproject.toml", "constraints-cpu.txt", ".gitignore",
-    "student", "kit", "tests", "handout", "notebooks", "benchmarks",
-)
-RELEASE_EXCLUDE_DIRS = ("tests/hidden", "tests/kit", "__pycache__", ".ipynb_checkpoints", ".pytest_cache")
-# Instructor-only files inside included folders: the answer-key renderer (kit/answers.py; its templates live in
-# instructor/, which is never included).
-RELEASE_EXCLUDE_FILES = ("kit/answers.py",)
+# A student release is the repository's top level but for what never ships: the instructor's tools and
+# answer key (instructor/), the solutions (reference/), the hidden tests and the kit's own tests (which test
+# the instructor's tools against the reference), and the maintainers' guide.
+RELEASE_EXCLUDE = ("instructor", "reference", "tests/hidden", "tests/kit", "CONTRIBUTING.md")
+
+
+def release_parts(root: Path = ROOT) -> list[str]:
+    """The top-level files and folders a release is made of: what the repository tracks at its top (every
+    non-hidden entry, outside a git checkout), minus :data:`RELEASE_EXCLUDE`; ``.gitignore`` is kept."""
+    try:
+        listed = subprocess.run(["git", "ls-files"], cwd=root, capture_output=True, text=True, timeout=60, check=True)
+        names = {line.split("/")[0] for line in listed.stdout.splitlines() if line}
+    except (OSError, subprocess.SubprocessError):
+        names = {p.name for p in root.iterdir()}
+    names = {n for n in names if not n.startswith(".") or n == ".gitignore"}
+    return sorted(n for n in names if n not in RELEASE_EXCLUDE and (root / n).exists())
 
 
 @dataclass
@@ -132,8 +141,8 @@ def stale_student_files(reference: Path = ROOT / "reference", student: Path = RO
 
 
 def build_release(out: Path = ROOT / "dist" / "student-release", root: Path = ROOT, level: str = "guided") -> Path:
-    """Copy what a student needs into ``out`` — never ``reference/``, hidden tests, the kit's own tests or the
-    answer key (``instructor/``, ``kit/answers.py``).
+    """Copy what a student needs into ``out`` — :func:`release_parts`: never ``instructor/``, ``reference/``,
+    hidden tests or the kit's own tests.
 
     ``level="guided"`` ships the committed ``student/`` (which must be fresh); ``"open"`` ships stubs
     generated at the open level instead.
@@ -142,28 +151,12 @@ def build_release(out: Path = ROOT / "dist" / "student-release", root: Path = RO
         stale = stale_student_files(root / "reference", root / "student")
         if stale:
             raise RuntimeError(f"student/ is stale ({', '.join(stale[:5])}…): run `make student` first")
-    else:
-        open_files = render_student(root / "reference", level)
     if out.exists():
         shutil.rmtree(out)
-    out.mkdir(parents=True)
-    excluded = [root / d for d in RELEASE_EXCLUDE_DIRS + RELEASE_EXCLUDE_FILES if "/" in d]
-
-    def ignore(directory: str, names: list[str]) -> list[str]:
-        d = Path(directory)
-        return [
-            n for n in names
-            if n in RELEASE_EXCLUDE_DIRS or (d / n) in excluded or n.endswith(".pyc")
-        ]
-
-    for name in RELEASE_INCLUDE:
-        src = root / name
-        if name == "student" and level != "guided":
-            for rel, data in open_files.items():
-                (out / name / rel).parent.mkdir(parents=True, exist_ok=True)
-                (out / name / rel).write_bytes(data)
-        elif src.is_dir():
-            shutil.copytree(src, out / name, ignore=ignore)
-        elif src.exists():
-            shutil.copy2(src, out / name)
+    parts = [p for p in release_parts(root) if not (level != "guided" and p == "student")]
+    tree.copy(out, parts, root=root, exclude=RELEASE_EXCLUDE)
+    if level != "guided":
+        for rel, data in render_student(root / "reference", level).items():
+            (out / "student" / rel).parent.mkdir(parents=True, exist_ok=True)
+            (out / "student" / rel).write_bytes(data)
     return out

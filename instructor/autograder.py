@@ -1,4 +1,4 @@
-"""The Gradescope autograder bundle: ``make autograder`` → ``dist/autograder.zip``.
+"""The Gradescope bundle: ``make autograder`` (``python -m instructor autograder``) → ``dist/autograder.zip``.
 
 Gradescope unzips the bundle into ``/autograder/source``, runs ``setup.sh`` once when the image is
 built, then ``run_autograder`` for each submission (uploaded to ``/autograder/submission``), which must
@@ -7,23 +7,21 @@ handout (for the per-problem breakdown) — never ``reference/`` and never a ``s
 submission's ``student/**/*.py`` is copied into a clean staging copy of the kit for each run.
 
 Every path is configurable through the environment, so the same bundle runs locally in tests:
-``AUTOGRADER_SOURCE``, ``AUTOGRADER_SUBMISSION``, ``AUTOGRADER_RESULTS``.
+``AUTOGRADER_SOURCE``, ``AUTOGRADER_SUBMISSION``, ``AUTOGRADER_RESULTS``. What ``run_autograder`` calls,
+``python -m kit autograde``, is the kit's (:mod:`kit.grading.autograde`): it ships in the bundle; this
+builder does not.
 """
 
 from __future__ import annotations
 
-import json
-import os
 import zipfile
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from kit.grading.running import Limits
+from kit import tree
 
 ROOT = Path(__file__).resolve().parent.parent
 BUNDLE_ITEMS = ("kit", "tests", "handout", "pyproject.toml", "constraints-cpu.txt")
-BUNDLE_EXCLUDE = ("tests/kit", "__pycache__", ".pytest_cache")
+BUNDLE_EXCLUDE = ("tests/kit",)
 
 SETUP_SH = """#!/usr/bin/env bash
 # Gradescope runs this once while building the autograder image (Ubuntu, as root).
@@ -83,33 +81,6 @@ def build_autograder(out: Path = ROOT / "dist" / "autograder.zip", root: Path = 
             info = zipfile.ZipInfo(name)
             info.external_attr = 0o755 << 16
             z.writestr(info, text)
-        for item in BUNDLE_ITEMS:
-            src = root / item
-            paths = [src] if src.is_file() else sorted(p for p in src.rglob("*") if p.is_file())
-            for path in paths:
-                rel = path.relative_to(root).as_posix()
-                if any(rel.startswith(x) or f"/{x}/" in f"/{rel}" for x in BUNDLE_EXCLUDE) or rel.endswith(".pyc"):
-                    continue
-                z.write(path, rel)
+        for rel in tree.files(BUNDLE_ITEMS, root=root, exclude=BUNDLE_EXCLUDE):
+            z.write(root / rel, rel)
     return out
-
-
-def autograde(submission: Path, results: Path, *, stages: list[int] | None = None,
-              limits: Limits | None = None) -> dict:
-    """Grade one uploaded submission with the public and hidden tests; always write ``results``."""
-    from kit.grading.reporting import gradescope_json
-    from kit.grading.running import grade
-
-    results.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        result = grade(str(submission), stages=stages, include_hidden=True, limits=limits)
-        data = gradescope_json(result)
-        if result.status == "error":
-            data["output"] = "The autograder could not run the tests on this submission. " + result.message
-    except Exception as exc:  # the results file must exist even when grading itself failed
-        data = {"score": 0, "execution_time": 0, "tests": [], "stdout_visibility": "hidden",
-                "output": f"The autograder could not grade this submission: {type(exc).__name__}: {exc}"}
-    tmp = results.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=2))
-    os.replace(tmp, results)
-    return data

@@ -1,10 +1,12 @@
 """Alternative designs: reasonable implementations that differ from the reference must get full marks.
 
-``tests/kit/designs/stage<N>/<name>/`` holds complete modules named as in ``reference/`` (``ddp.py``,
-``parallel/tensor_parallel.py``…) and a ``README.md`` whose first line says how the design differs. Each is
-overlaid on a copy of the reference and must pass every public and hidden test of its stage — the evidence that
-the tests judge behaviour through the public API, not the reference's internals. ``python -m kit mutants``
-runs them with the stage's mutants (``--designs-only`` for just these).
+``tests/kit/designs/stage<N>/<name>/`` holds, for each module it changes (named as in ``reference/``: ``ddp.py``,
+``parallel/tensor_parallel.py``…), only the definitions the design writes differently, and a ``README.md`` whose
+first line says how the design differs. :func:`build` applies them to a copy of the reference
+(:mod:`instructor.overrides`: a definition whose reference counterpart no longer exists fails loudly), and the
+result must pass every public and hidden test of its stage — the evidence that the tests judge behaviour through
+the public API, not the reference's internals. ``python -m instructor mutants`` runs them with the stage's
+mutants (``--designs-only`` for just these); ``make test`` checks that every design still builds.
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ import shutil
 import time
 from pathlib import Path
 
-from kit import mutants
+from instructor import mutants
+from instructor.overrides import OverrideError, apply
 
 DESIGNS = mutants.ROOT / "tests" / "kit" / "designs"
 
@@ -25,19 +28,21 @@ def load_designs(stage: int, designs: Path = DESIGNS) -> list[Path]:
         if folder.is_dir() else []
 
 
-def overlay(design: Path, package: Path) -> list[str]:
-    """Copy the design's modules over the package; the relative paths it replaced."""
-    replaced = []
+def build(design: Path, package: Path) -> list[str]:
+    """Apply the design's overrides to the reference modules in ``package``; the relative paths it changed.
+    :class:`~instructor.overrides.OverrideError` (a ``LookupError``) when the design no longer fits the reference."""
+    changed = []
     for module in sorted(design.rglob("*.py")):
         rel = module.relative_to(design)
-        if not (package / rel).exists():
-            raise LookupError(f"design {design.name}: {rel} is not a module of reference/ (a design replaces "
-                              "modules; it cannot add new ones the tests would never import)")
-        shutil.copy2(module, package / rel)
-        replaced.append(str(rel))
-    if not replaced:
-        raise LookupError(f"design {design.name}: holds no .py module")
-    return replaced
+        target = package / rel
+        if not target.exists():
+            raise OverrideError(f"design {design.name}: {rel} is not a module of reference/ (a design changes "
+                                "modules; it cannot add new ones the tests would never import)")
+        target.write_text(apply(target.read_text(), module.read_text(), f"design {design.name}, {rel}"))
+        changed.append(str(rel))
+    if not changed:
+        raise OverrideError(f"design {design.name}: holds no .py module")
+    return changed
 
 
 def judge_design(stage: int, design: Path, tree: Path, timeout: float) -> mutants.Verdict:
@@ -50,7 +55,7 @@ def judge_design(stage: int, design: Path, tree: Path, timeout: float) -> mutant
     shutil.rmtree(package, ignore_errors=True)
     shutil.copytree(tree / "student.pristine", package)
     try:
-        verdict.notes.append("replaces " + ", ".join(overlay(design, package)))
+        verdict.notes.append("changes " + ", ".join(build(design, package)))
     except LookupError as exc:
         verdict.message = str(exc)
         return verdict

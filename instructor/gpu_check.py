@@ -69,7 +69,7 @@ class Outcome:
 
 def steps(out: Path = OUT, python: str = sys.executable) -> list[Step]:
     """The steps of the check, in order, with their time limits (seconds on one H100, generous)."""
-    me = [python, "-m", "kit.gpu_check", "--out", str(out), "--step"]
+    me = [python, "-m", "instructor.gpu_check", "--out", str(out), "--step"]
     pytest = [python, "-m", "pytest", "--impl", "reference", "-q", "-p", "no:cacheprovider"]
     # The test steps launch the kernels with their fixed configs (LLMSYS_FA_AUTOTUNE=0): compiled, but not
     # autotuned for each of the tests' many small shapes. The autotuned path is what bench_attention and the

@@ -20,9 +20,9 @@ a patched formula changes the key). A placeholder that fails to evaluate is an e
 and the line; nothing is rendered half.
 
 This is instructor tooling: it imports ``reference`` directly (it is not a test of a student), and neither
-it nor ``instructor/`` is in the student release (:mod:`kit.release`).
+it nor ``instructor/`` is in the student release (:mod:`instructor.release`).
 
-Command line: ``python -m kit answers [--stage N] [--out DIR]`` (``make answers``) writes
+Command line: ``python -m instructor answers [--stage N] [--out DIR]`` (``make answers``) writes
 ``answers-output/chNN.md``.
 """
 
@@ -234,7 +234,7 @@ def missing_sections(rendered: dict[str, str], root: Path = ROOT) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kit answers",
+    parser = argparse.ArgumentParser(prog="python -m instructor answers",
                                      description="render the instructor's answer key (instructor/answers)")
     parser.add_argument("--stage", help="only these stages, e.g. 4 or 5,6")
     parser.add_argument("--out", default=str(DEFAULT_OUT), help="output folder (default answers-output/)")

@@ -1,10 +1,10 @@
 """Mutation testing of the graded suite: does every catalogued mistake fail a public test?
 
-    python -m kit mutants                  # every stage's catalogue
-    python -m kit mutants --stage 4        # one stage (``make mutants STAGE=4``)
-    python -m kit mutants --stage auto     # one stage the last commit touched, else one by rotation (CI)
-    python -m kit mutants --stage auto --budget 420   # CI: as many as fit in 7 minutes, rotating daily
-    python -m kit mutants --stage 4 --only sum-not-average
+    python -m instructor mutants                  # every stage's catalogue
+    python -m instructor mutants --stage 4        # one stage (``make mutants STAGE=4``)
+    python -m instructor mutants --stage auto     # one stage the last commit touched, else one by rotation (CI)
+    python -m instructor mutants --stage auto --budget 420   # CI: as many as fit in 7 minutes, rotating daily
+    python -m instructor mutants --stage 4 --only sum-not-average
 
 A grade means something only if wrong answers lose points. The catalogue (``tests/kit/mutants/stage<N>.py``,
 instructor-only: it never ships in the release) lists, per stage, the mistakes students plausibly make —
@@ -49,6 +49,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from kit import stages as stage_registry
+from kit import tree
 
 ROOT = Path(__file__).resolve().parent.parent
 CATALOGUE = ROOT / "tests" / "kit" / "mutants"
@@ -131,15 +132,8 @@ def apply(mutant: Mutant, package: Path) -> None:
 
 def build_tree(dest: Path, root: Path = ROOT) -> Path:
     """A grading tree in ``dest``: the kit, the tests (public and hidden) and the reference staged as ``student``."""
-    skip = shutil.ignore_patterns("__pycache__", "*.pyc", ".pytest_cache")
-    shutil.copytree(root / "kit", dest / "kit", ignore=skip)
-    shutil.copytree(root / "tests", dest / "tests", ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "kit"))
-    shutil.copytree(root / "reference", dest / "student", ignore=skip)
-    for name in ("pyproject.toml",):
-        shutil.copy2(root / name, dest / name)
-    if (root / "handout").is_dir():
-        shutil.copytree(root / "handout", dest / "handout")
-    return dest
+    parts = ["kit", "tests", "reference", "pyproject.toml"] + (["handout"] if (root / "handout").is_dir() else [])
+    return tree.copy(dest, parts, root=root, exclude=("tests/kit",), rename={"reference": "student"})
 
 
 def failures(junit: Path) -> list[tuple[str, str]]:
@@ -279,8 +273,8 @@ def run(stages: list[int], *, only: list[str] | None = None, timeout: float = 90
     its time limit, cover all of it. Those left over are named in the report, not counted as caught."""
     from tqdm import tqdm
 
-    from kit.designs import judge_design
-    from kit.designs import load_designs as designs_of
+    from instructor.designs import judge_design
+    from instructor.designs import load_designs as designs_of
 
     verdicts: list[Verdict] = []
     out.mkdir(parents=True, exist_ok=True)
@@ -335,7 +329,7 @@ def format_report(stage: int, verdicts: list[Verdict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kit mutants", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m instructor mutants", description=__doc__.split("\n\n")[0])
     parser.add_argument("--stage", help="stage numbers (e.g. 4 or 1,3), 'auto' (changed or rotating), default all")
     parser.add_argument("--only", help="only these mutants (comma-separated names)")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per test run")

@@ -1,6 +1,6 @@
 """The marker language of ``reference/``: finding and checking SOLUTION, PROMPT and SCAFFOLD blocks.
 
-What the markers mean and the stubs they generate are described in :mod:`kit.stubs`; this module parses
+What the markers mean and the stubs they generate are described in :mod:`instructor.stubs`; this module parses
 a reference module into its blocks and the functions around them, and rejects every misuse with the
 file and line: a block never closed or closed at another indentation, nested blocks, a misspelt marker
 (which would otherwise ship solution code), a PROMPT that is not directly followed by its SOLUTION, a

@@ -40,8 +40,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kit.markers import Block, MarkerError, Parsed, code_lines, find_defs, innermost_function, parse
-from kit.namecheck import read_before_bound, scope_names, undefined_names
+from instructor.markers import Block, MarkerError, Parsed, code_lines, find_defs, innermost_function, parse
+from instructor.namecheck import read_before_bound, scope_names, undefined_names
 
 __all__ = ["LEVELS", "MarkerError", "Stub", "parse", "render"]
 
