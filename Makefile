@@ -17,7 +17,7 @@ HAVE_REFERENCE := $(wildcard reference/__init__.py)
 export PYTHONDONTWRITEBYTECODE := 1
 
 .PHONY: help setup grade test test-reference test-kit lint student check-student release autograder check-handout soak \
-        timings stages mutants answers notebooks bench doctor clean wheelhouse gpu-check
+        timings stages mutants answers notebooks bench doctor clean wheelhouse gpu-check new-stage
 
 # `##` describes a target for `make help`; `##@instructor` marks one that needs reference/ (hidden in the student
 # release), `##@student` one that only the student release has.
@@ -92,6 +92,10 @@ timings: setup ##@instructor record each graded test's reference time in tests/t
 
 mutants: setup ##@instructor the misconception catalogue (tests/kit/mutants): each mistake must fail a public test (STAGE=N or auto, BUDGET=seconds)
 	$(PY) -m instructor mutants $(if $(STAGE),--stage $(STAGE)) $(if $(BUDGET),--budget $(BUDGET))
+
+new-stage: setup ##@instructor write a new stage's skeletons and registry entry (N=7 NAME=whole_step TITLE="The whole step")
+	@test -n "$(N)" -a -n "$(NAME)" -a -n "$(TITLE)" || { echo 'usage: make new-stage N=7 NAME=whole_step TITLE="The whole step"'; exit 2; }
+	$(PY) -m instructor new-stage $(N) $(NAME) "$(TITLE)"
 
 answers: setup ##@instructor render the answer key (instructor/answers) into answers-output/ (STAGE=N for some stages)
 	$(PY) -m instructor answers $(if $(STAGE),--stage $(STAGE))

@@ -29,6 +29,7 @@ Command line: ``python -m instructor answers [--stage N] [--out DIR]`` (``make a
 from __future__ import annotations
 
 import argparse
+import importlib
 import importlib.util
 import json
 import math
@@ -133,22 +134,28 @@ def num_params(preset: str, *, embedding: bool = True) -> int:
     return total if embedding else total - m.token_embeddings.weight.numel()
 
 
+def reference_modules() -> dict[str, ModuleType]:
+    """Every module the registry's stages add to ``reference/`` (a package's modules too), by its own name
+    (``precision``, ``zero``, ``accounting``, ``pipeline_parallel`` …)."""
+    import pkgutil
+
+    found: dict[str, ModuleType] = {}
+    for stage in registry.STAGES:
+        for name in stage.modules:
+            module = importlib.import_module(f"reference.{name}")
+            found[name] = module
+            for sub in pkgutil.iter_modules(getattr(module, "__path__", [])):
+                found[sub.name] = importlib.import_module(f"reference.{name}.{sub.name}")
+    return found
+
+
 def namespace() -> dict[str, Any]:
     """The names every placeholder sees: the reference's modules, the kit's FLOP and model modules, helpers."""
-    import reference.collectives as collectives
-    import reference.ddp as ddp
-    import reference.fsdp as fsdp
-    import reference.parallel.accounting as accounting
-    import reference.parallel.pipeline_parallel as pipeline_parallel
-    import reference.precision as precision
-    import reference.zero as zero
     from kit import flops, model
 
     return dict(
-        math=math, flops=flops, model=model, PRESETS=model.PRESETS, precision=precision, zero=zero, fsdp=fsdp,
-        ddp=ddp, collectives=collectives, accounting=accounting, pipeline_parallel=pipeline_parallel,
-        results=results, measured_on=measured_on, measured=measured, table=table, gb=gb, gib=gib, mib=mib,
-        num_params=num_params,
+        **reference_modules(), math=math, flops=flops, model=model, PRESETS=model.PRESETS, results=results,
+        measured_on=measured_on, measured=measured, table=table, gb=gb, gib=gib, mib=mib, num_params=num_params,
     )
 
 
@@ -193,13 +200,16 @@ def render(stage_numbers: Iterable[int] | None = None, templates: Path = TEMPLAT
     if not templates.is_dir():
         raise AnswerKeyError(f"{templates} does not exist: the answer key is in the instructor's copy of the kit only")
     base = namespace()
+    written = written_problems(templates.parent.parent)
     out: dict[str, str] = {}
     for chapter in chapters(stage_numbers):
         key = chapter_key(chapter)
         path = templates / f"{key}.md"
         if not path.exists():
+            if not written.get(key):  # a chapter of graded problems only needs no key
+                continue
             raise AnswerKeyError(f"no answer-key template {path.relative_to(templates.parent.parent)} for "
-                                 f"handout/{chapter}")
+                                 f"handout/{chapter}, which has written problems {written[key]}")
         names = {**base, **_helpers(key, templates)}
         out[key] = render_text(path.read_text(), names, where=str(path.relative_to(templates.parent.parent)))
     return out

@@ -15,10 +15,10 @@ import shutil
 import time
 from pathlib import Path
 
-from instructor import mutants
+from instructor import trials
 from instructor.overrides import OverrideError, apply
 
-DESIGNS = mutants.ROOT / "tests" / "kit" / "designs"
+DESIGNS = trials.ROOT / "tests" / "kit" / "designs"
 
 
 def load_designs(stage: int, designs: Path = DESIGNS) -> list[Path]:
@@ -45,11 +45,11 @@ def build(design: Path, package: Path) -> list[str]:
     return changed
 
 
-def judge_design(stage: int, design: Path, tree: Path, timeout: float) -> mutants.Verdict:
+def judge_design(stage: int, design: Path, tree: Path, timeout: float) -> trials.Verdict:
     """Overlay a design on a fresh copy of the reference; every public and hidden test of the stage must pass."""
     readme = design / "README.md"
     summary = readme.read_text().strip().splitlines()[0].lstrip("# ") if readme.exists() else ""
-    verdict = mutants.Verdict(stage, f"design:{design.name}", summary, "error")
+    verdict = trials.Verdict(stage, f"design:{design.name}", summary, "error")
     start = time.monotonic()
     package = tree / "student"
     shutil.rmtree(package, ignore_errors=True)
@@ -59,14 +59,14 @@ def judge_design(stage: int, design: Path, tree: Path, timeout: float) -> mutant
     except LookupError as exc:
         verdict.message = str(exc)
         return verdict
-    code, junit, output = mutants.run_tests(tree, stage, everything=True, timeout=timeout)
-    failure = mutants.first_failure(junit)
+    code, junit, output = trials.run_tests(tree, stage, everything=True, timeout=timeout)
+    failure = trials.first_failure(junit)
     if code == 0:
         verdict.verdict = "passed"
     elif failure is None:
-        verdict.verdict, verdict.message = "failed", mutants.headline(output)
+        verdict.verdict, verdict.message = "failed", trials.headline(output)
     else:
         verdict.verdict = "failed"
-        verdict.test, verdict.message = failure[0], mutants.headline(failure[1])
+        verdict.test, verdict.message = failure[0], trials.headline(failure[1])
     verdict.seconds = round(time.monotonic() - start, 1)
     return verdict

@@ -6,7 +6,7 @@ table under ``benchmarks/results/gpu/``, stamped with the device and library ver
 
 1. ``python -m kit doctor``                              → doctor.log
 2. every ``gpu``-marked test (``pytest -m gpu``)           → gpu_tests.log
-3. the Stage 3 graded and hidden tests, kernels compiled   → stage3_compiled.log (TRITON_INTERPRET unset)
+3. each GPU-kernel stage's graded and hidden tests, compiled → stage<N>_compiled.log (TRITON_INTERPRET unset)
 4. ``python -m benchmarks.bench_attention --goals``        → bench_attention.{md,csv,json} (Triton and SDPA flash)
 5. the numeric cross-check against SDPA at the leaderboard shape, then the autotuned config of every kernel
    with its registers, spills, shared memory and wgmma use → crosscheck.*, kernels.*
@@ -29,6 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kit import stages as registry
 from kit.results import RESULTS_DIR, ROOT, environment, markdown_table, save_results
 
 OUT = RESULTS_DIR / "gpu"
@@ -78,8 +79,8 @@ def steps(out: Path = OUT, python: str = sys.executable) -> list[Step]:
     return [
         Step("doctor", [python, "-m", "kit", "doctor"], 20, False),
         Step("gpu_tests", pytest + ["tests", "-m", "gpu"], 70, True, env=fixed, empty_code=5),
-        Step("stage3_compiled", pytest + ["tests/test_stage3_flash_attention.py", "tests/hidden/test_stage3_hidden.py"],
-             120, True, env=fixed),
+        *(Step(f"stage{stage.number}_compiled", pytest + [str(p.relative_to(ROOT)) for p in stage.test_paths(ROOT)],
+               120, True, env=fixed) for stage in registry.STAGES if stage.gpu_kernels),
         Step("bench_attention", [python, "-m", "benchmarks.bench_attention", "--goals", "--impl", "reference",
                                  "--out", str(out)], 130, False),
         Step("crosscheck", me + ["crosscheck"], 60, True),

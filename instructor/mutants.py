@@ -37,19 +37,18 @@ import argparse
 import datetime as dt
 import importlib.util
 import json
-import os
 import re
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
-import xml.etree.ElementTree as ET
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from instructor import designs as alternative_designs
+from instructor.trials import Verdict, build_tree, failures, first_failure, headline, run_tests
 from kit import stages as stage_registry
-from kit import tree
 
 ROOT = Path(__file__).resolve().parent.parent
 CATALOGUE = ROOT / "tests" / "kit" / "mutants"
@@ -84,22 +83,6 @@ class Mutant:
     count: int = 1
 
 
-@dataclass
-class Verdict:
-    stage: int
-    name: str
-    mistake: str
-    verdict: str  # killed | survived | justified | unpointed | hidden-missed | stale | error | passed | failed
-    test: str = ""
-    message: str = ""
-    seconds: float = 0.0
-    notes: list[str] = field(default_factory=list)
-
-    @property
-    def accounted(self) -> bool:
-        return self.verdict in ("killed", "justified", "passed")
-
-
 def load_catalogue(stage: int, catalogue: Path = CATALOGUE) -> list[Mutant]:
     """The mutants of one stage (``[]`` when the stage has no catalogue file)."""
     path = catalogue / f"stage{stage}.py"
@@ -128,68 +111,6 @@ def apply(mutant: Mutant, package: Path) -> None:
         raise LookupError(f"{mutant.name}: the find text occurs {found} time(s) in reference/{mutant.file}, "
                           f"the catalogue expects {mutant.count} — update the catalogue to the reference")
     target.write_text(source.replace(mutant.find, mutant.replace))
-
-
-def build_tree(dest: Path, root: Path = ROOT) -> Path:
-    """A grading tree in ``dest``: the kit, the tests (public and hidden) and the reference staged as ``student``."""
-    parts = ["kit", "tests", "reference", "pyproject.toml"] + (["handout"] if (root / "handout").is_dir() else [])
-    return tree.copy(dest, parts, root=root, exclude=("tests/kit",), rename={"reference": "student"})
-
-
-def failures(junit: Path) -> list[tuple[str, str]]:
-    """(test name, message) of every failed or errored test in a junit XML report, in the order they ran.
-
-    The message is the exception's own text (what a student reads first), not the traceback.
-    """
-    if not junit.exists():
-        return []
-    return [(case.get("name", "?"), (child.get("message") or child.text or "").strip())
-            for case in ET.parse(junit).getroot().iter("testcase")
-            for child in case if child.tag in ("failure", "error")]
-
-
-def first_failure(junit: Path) -> tuple[str, str] | None:
-    """(test name, message) of the first failed or errored test in a junit XML report, else None."""
-    found = failures(junit)
-    return found[0] if found else None
-
-
-def run_tests(tree: Path, stage: int, *, hidden_test: str = "", everything: bool = False,
-              timeout: float = 900.0) -> tuple[int, Path, str]:
-    """Run the stage's public tests (or one hidden test, or public and hidden until the first failure) in ``tree``.
-
-    The public tests all run, as they do for a student: a mistake in a component often also breaks a composed
-    test that runs earlier (stage 6's 4D training before its tensor-parallel tests), and what matters is that
-    some failing test's message points at the mistake.
-    """
-    junit = tree / f"junit-{time.monotonic_ns()}.xml"
-    marker = stage_registry.get(stage).marker
-    if hidden_test:
-        selection = ["tests/hidden", "-m", marker, "-k", hidden_test]
-    elif everything:
-        selection = ["tests", "-m", marker]
-    else:
-        selection = ["tests", "-m", f"{marker} and not hidden", "--ignore=tests/hidden"]
-    stop_first = ["-x"] if hidden_test or everything else []
-    cmd = [sys.executable, "-m", "pytest", *selection, *stop_first, "-q", "-p", "no:cacheprovider", "--impl", "student",
-           "-o", "addopts=", "-p", "kit", f"--junitxml={junit}", "--tb=short"]
-    env = {**os.environ, "LLMSYS_IMPL": "student", "PYTHONHASHSEED": "0", "MPLBACKEND": "Agg",
-           "PYTHONDONTWRITEBYTECODE": "1"}
-    try:
-        proc = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=timeout,
-                              start_new_session=True)
-        return proc.returncode, junit, proc.stdout[-4000:] + proc.stderr[-2000:]
-    except subprocess.TimeoutExpired as exc:
-        out = (exc.stdout or b"")[-3000:] if isinstance(exc.stdout, bytes) else (exc.stdout or "")[-3000:]
-        return -1, junit, f"timed out after {timeout:g} s\n{out}"
-
-
-def headline(message: str) -> str:
-    for line in message.splitlines():
-        line = line.strip().removeprefix("E").strip()
-        if line and not line.startswith(("def ", "File ", "Traceback", "_ _", "---", "self =")):
-            return line[:220]
-    return message.strip()[:220]
 
 
 def judge(stage: int, mutant: Mutant, tree: Path, timeout: float) -> Verdict:
@@ -273,15 +194,14 @@ def run(stages: list[int], *, only: list[str] | None = None, timeout: float = 90
     its time limit, cover all of it. Those left over are named in the report, not counted as caught."""
     from tqdm import tqdm
 
-    from instructor.designs import judge_design
-    from instructor.designs import load_designs as designs_of
 
     verdicts: list[Verdict] = []
     out.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     for stage in stages:
         mutants = [m for m in load_catalogue(stage) if not only or m.name in only] if mutants_too else []
-        alternatives = [d for d in designs_of(stage) if not only or f"design:{d.name}" in only] if designs else []
+        alternatives = ([d for d in alternative_designs.load_designs(stage) if not only or f"design:{d.name}" in only]
+                        if designs else [])
         if not mutants and not alternatives:
             print(f"stage {stage}: no catalogued mutants or designs" + (f" named {only}" if only else ""))
             continue
@@ -303,7 +223,7 @@ def run(stages: list[int], *, only: list[str] | None = None, timeout: float = 90
                 elif isinstance(item, Mutant):
                     stage_verdicts.append(judge(stage, item, tree, timeout))
                 else:
-                    stage_verdicts.append(judge_design(stage, item, tree, timeout))
+                    stage_verdicts.append(alternative_designs.judge_design(stage, item, tree, timeout))
         verdicts += stage_verdicts
         report = format_report(stage, stage_verdicts)
         if left_over:

@@ -54,6 +54,7 @@ from typing import Any
 
 from kit.spawn import RankFailedError, RankTimeoutError, raise_for, wire
 from kit.spawn import parent as _parent
+from kit.spawn.messages import limit_message, silent_death
 from kit.spawn.worker import error_report, in_worker, report_check
 
 __all__ = ["Failure", "RankCheckError", "SpawnedChecks", "Worker", "outcome_of", "reference_ranks", "run_check",
@@ -217,9 +218,8 @@ class Worker:
         limit = 600.0 if timeout is None else timeout
         outcome = _parent.call(fn, args, kwargs, timeout=limit)
         if outcome.limit:
-            raise RankTimeoutError(_parent.limit_message(outcome, f"check {name!r}", limit))
+            raise RankTimeoutError(limit_message(outcome, f"check {name!r}", limit))
         if outcome.died:
-            from kit.spawn.messages import silent_death
 
             report = silent_death(outcome, 0)
             raise RankCheckError(f"the worker running check {name!r} {report['message']}. A crash in native code "
@@ -238,7 +238,7 @@ class Worker:
         finally:
             _parent.set_allowance(previous)
         if outcome.limit:
-            return (f"importing {name} did not finish: it " + _parent.limit_message(outcome, "", timeout).strip()
+            return (f"importing {name} did not finish: it " + limit_message(outcome, "", timeout).strip()
                     + "\nA module must import in seconds: keep the work inside functions.")
         if outcome.died:
             return f"the worker died while importing {name} (exit code {outcome.died[0]})"

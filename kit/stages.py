@@ -4,8 +4,10 @@ The grader (titles, marker expressions), the CLI (``--stage`` validation), ``che
 chapter belongs to which stage), the release builder, the test-suite marker checks (``stageN`` markers
 are registered from this list) and the Makefile (``python -m kit stages``) all use :data:`STAGES`.
 
-Adding a stage is: a reference module, its tests, its handout chapter, its notebook, its benchmark and
-one :class:`Stage` entry below — no edits elsewhere.
+Adding a stage is: a reference module, its tests, its handout chapter, its notebook, its benchmark, its
+mistake catalogue and one :class:`Stage` entry below — no edits elsewhere (CONTRIBUTING.md, "Adding a
+stage"; ``make new-stage`` writes the skeletons). A number, module or chapter that two stages claim is an
+error at import.
 """
 
 from __future__ import annotations
@@ -66,6 +68,23 @@ STAGES: tuple[Stage, ...] = (
     Stage(6, "4D parallelism", ("parallel",), ("06-4d-parallelism.md",),
           ("test_stage6_*.py", "hidden/test_stage6_*.py"), designs_required=2),
 )
+
+
+def check(stages: tuple[Stage, ...]) -> tuple[Stage, ...]:
+    """``stages`` if each number, module and chapter belongs to one stage only; ``ValueError`` naming the clash."""
+    for what, key in (("number", lambda s: [s.number]), ("module", lambda s: list(s.modules)),
+                      ("chapter", lambda s: list(s.chapters))):
+        seen: dict = {}
+        for stage in stages:
+            for value in key(stage):
+                if value in seen:
+                    raise ValueError(f"kit/stages.py: {what} {value!r} belongs to stage {seen[value]} and to stage "
+                                     f"{stage.number} ({stage.title!r}); each stage needs its own")
+                seen[value] = stage.number
+    return stages
+
+
+check(STAGES)
 
 
 def stage_of(item) -> int | None:

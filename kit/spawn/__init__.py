@@ -34,8 +34,8 @@ from typing import Any
 
 from kit import validate
 
-from .messages import errors_of, failure_message
-from .parent import limit_message, spawn
+from .messages import errors_of, failure_message, limit_message
+from .parent import spawn
 from .rank import default_backend, init_distributed, rank_device
 
 __all__ = [

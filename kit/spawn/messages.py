@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from .parent import Outcome, describe_exit
+import signal
+
+from .parent import Outcome
 
 __tracebackhide__ = True  # pytest: the kit's plumbing is not part of a student's traceback
 
@@ -54,3 +56,38 @@ def innermost_own_frame(stack: str) -> str:
     if own:
         return own[0]
     return f"{frames[0].rsplit(' in ', 1)[-1]}, before any code of its own" if frames else "(no stack)"
+
+
+def limit_message(outcome: Outcome, what: str, timeout: float) -> str:
+    """Why a request was stopped, where each process was, and what to look for."""
+    spent, cpu_budget, idle = outcome.limits
+    where = "; ".join(f"{'process' if outcome.n == 1 else 'rank'} {r} at {innermost_own_frame(s)}"
+                      for r, s in outcome.stacks.items())
+    if outcome.limit == "cpu":
+        why = (f"used {spent:.1f} CPU-seconds, more than its budget of {cpu_budget:.1f} (several times what "
+               "the reference needs): an endless loop, or work far beyond what the test asks")
+    elif outcome.limit == "idle":
+        why = (f"made no progress for {idle:g} s (almost no CPU used, nothing waiting for a core) without "
+               "finishing: it is blocked — a collective that not every rank joined (or joined with another size), a "
+               "wait on something that never comes, a sleep")
+    else:
+        why = (f"did not finish within {timeout:g} s of wall-clock time although it kept working (the last resort, "
+               "far above a busy machine's needs)")
+    text = f"{what} {why}. Stopped at: {where or '(unknown)'}. Stacks, innermost call first:"
+    for r, stack in outcome.stacks.items():
+        lines = [line for line in stack.splitlines() if "<frozen importlib" not in line]
+        label = "process" if outcome.n == 1 else "rank"
+        text += f"\n--- {label} {r} ---\n" + ("\n".join(lines) or "(no stack: it had not started, or it blocks the "
+                                                              "signal that asks for one)")
+    return text
+
+
+def describe_exit(code: int | None) -> str:
+    if code is None:
+        return "exited"
+    if code > 128:
+        try:
+            return f"was killed by {signal.Signals(code - 128).name}"
+        except ValueError:
+            return f"was killed by signal {code - 128}"
+    return f"exited with code {code}"

@@ -36,26 +36,25 @@ from . import wire
 
 __tracebackhide__ = True
 
-HERE = Path(__file__).resolve().parent
-KIT_PLUMBING = ("checks.py", "testing.py", "comm_log.py")
-
 _channel: Connection | None = None  # this worker's channel to the judge (None outside a worker)
 _JUDGE_MAIN = "__kit_judge_main__"  # where the judge's script is loaded, the first time one of its functions is
 
 
-def kit_internal(filename: str) -> bool:
-    """True for a frame of the kit's own plumbing (this package, the checks harness, the comparisons)."""
-    path = Path(filename).resolve()
-    return path.parent == HERE or (path.parent == HERE.parent and path.name in KIT_PLUMBING)
+def _own_frames(tb):
+    """The frames of a traceback that are not plumbing: a module that sets ``__tracebackhide__ = True`` (pytest's
+    convention, which the kit's harness, comparisons and this package follow) is left out."""
+    return [(frame, line) for frame, line in traceback.walk_tb(tb)
+            if frame.f_globals.get("__tracebackhide__") is not True]
 
 
 def error_report(exc: BaseException) -> dict[str, str]:
-    """``{"type", "kind", "message", "traceback"}`` of an exception; the traceback without the kit's frames.
+    """``{"type", "kind", "message", "traceback"}`` of an exception; the traceback without the kit's frames
+    (:func:`_own_frames`).
 
     ``kind`` is what the judge turns it into: ``not_implemented`` (a stub), ``assertion`` (an
     ``AssertionError`` or ``pytest.fail``) or ``error`` (anything else).
     """
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not kit_internal(f.filename)]
+    frames = traceback.StackSummary.extract(_own_frames(exc.__traceback__))
     try:
         message = str(exc)
     except Exception:  # noqa: BLE001 — an exception whose __str__ itself fails

@@ -17,8 +17,9 @@ def rendered() -> dict[str, str]:
     return answers.render()
 
 
-def test_every_chapter_has_a_rendered_key(rendered):
-    assert set(rendered) == {answers.chapter_key(c) for c in answers.chapters()}, sorted(rendered)
+def test_every_chapter_with_written_problems_has_a_rendered_key(rendered):
+    written = {key for key, numbers in answers.written_problems().items() if numbers}
+    assert written <= set(rendered), f"chapters with written problems but no key: {sorted(written - set(rendered))}"
     for key, text in rendered.items():
         assert answers.key_sections(text), f"{key}: the key has no `## Problem N.k` section"
 

@@ -70,8 +70,8 @@ def test_interrupted_batch_stops_everything_keeps_finished_rows_and_resumes(toy,
     for name in ("a_ok", "b_ok", "d_ok"):
         toy_kit.submission(folder, name, toy_kit.solution())
     toy_kit.submission(folder, "c_hangs", hanging(flag))
-    cmd = [sys.executable, "-m", "kit", "grade", "--batch", str(folder), "--out", str(out), "--stage", "7",
-           "--jobs", str(jobs), "--import-timeout", "600"]
+    cmd = [sys.executable, "-m", "kit", "grade", "--batch", str(folder), "--out", str(out),
+           "--stage", str(toy_kit.FIRST), "--jobs", str(jobs), "--import-timeout", "600"]
     proc = subprocess.Popen(cmd, cwd=toy, env=toy_kit.env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
     # With one worker, c_hangs holds it and d_ok never starts; with two, d_ok finishes beside it.
@@ -109,7 +109,7 @@ def test_a_changed_submission_is_regraded_and_force_regrades_all(toy, tmp_path):
     folder, out = tmp_path / "batch", tmp_path / "grades"
     for name in ("a", "b"):
         toy_kit.submission(folder, name, toy_kit.solution())
-    cmd = ["grade", "--batch", str(folder), "--out", str(out), "--stage", "7"]
+    cmd = ["grade", "--batch", str(folder), "--out", str(out), "--stage", str(toy_kit.FIRST)]
     first = toy_kit.run(toy, *cmd)
     assert first.returncode == 0 and "skipped" not in first.stdout, first.stdout + first.stderr
     (folder / "b" / "student" / "toy.py").write_text(toy_kit.solution().replace("return 2 * x", "return x + x + 1"))
@@ -125,7 +125,7 @@ def test_a_changed_test_or_limit_regrades_and_says_why(tmp_path):
     kit = toy_kit.make(tmp_path / "kit")
     folder, out = tmp_path / "batch", tmp_path / "grades"
     toy_kit.submission(folder, "a", toy_kit.solution())
-    cmd = ["grade", "--batch", str(folder), "--out", str(out), "--stage", "7"]
+    cmd = ["grade", "--batch", str(folder), "--out", str(out), "--stage", str(toy_kit.FIRST)]
     assert toy_kit.run(kit, *cmd).returncode == 0
     assert "skipped 1 submission(s)" in toy_kit.run(kit, *cmd).stdout
     test_file = kit / "tests" / "test_stage7_toy.py"
@@ -142,7 +142,7 @@ def test_a_killed_grader_leaves_no_process_behind(toy, tmp_path):
     flag = tmp_path / "keep-hanging"
     flag.touch()
     sub = toy_kit.submission(tmp_path, "c_hangs", hanging(flag))
-    proc = subprocess.Popen([sys.executable, "-m", "kit", "grade", "--impl", str(sub), "--stage", "7",
+    proc = subprocess.Popen([sys.executable, "-m", "kit", "grade", "--impl", str(sub), "--stage", str(toy_kit.FIRST),
                              "--import-timeout", "600"], cwd=toy, env=toy_kit.env(), stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
     wait_for(lambda: len(marked(proc.pid)) >= 3, proc, "the submission hangs")

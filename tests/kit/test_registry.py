@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import json
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import toy_kit
 
 from kit import stages
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_registry_parses_stage_lists_and_marker_expressions():
@@ -23,37 +28,78 @@ def test_registry_parses_stage_lists_and_marker_expressions():
 
 
 def test_a_toy_stage_7_is_picked_up_by_grade_check_handout_and_release(tmp_path: Path):
-    kit = toy_kit.make(tmp_path / "kit", full=True)
+    kit, n = toy_kit.make(tmp_path / "kit", full=True), toy_kit.FIRST
 
     listed = toy_kit.run(kit, "stages", "--marker-expression")
-    assert listed.stdout.split() == " or ".join(f"stage{n}" for n in range(1, 8)).split(), listed.stdout
+    assert listed.stdout.split() == " or ".join(f"stage{i}" for i in [*stages.numbers(), n]).split(), listed.stdout
 
-    graded = toy_kit.run(kit, "grade", "--impl", "reference", "--stage", "7", "--json", "out/results.json")
+    graded = toy_kit.run(kit, "grade", "--impl", "reference", "--stage", str(n), "--json", "out/results.json")
     assert graded.returncode == 0, graded.stdout[-3000:] + graded.stderr[-3000:]
-    assert "| 7     | Toy stage 7" in graded.stdout and "4/4" in graded.stdout, graded.stdout
+    assert f"| {n}     | Toy stage {n}" in graded.stdout and "4/4" in graded.stdout, graded.stdout
     names = [t["name"] for t in json.loads((kit / "out" / "results.json").read_text())["tests"]]
-    assert names == ["Stage 7 · P7.1 · test_add", "Stage 7 · P7.1 · test_double", "Stage 7 · P7.2 · test_prepare"]
+    assert names == [f"Stage {n} · P{n}.1 · test_add", f"Stage {n} · P{n}.1 · test_double",
+                     f"Stage {n} · P{n}.2 · test_prepare"]
 
     checked = toy_kit.run(kit, "check-handout")
     assert checked.returncode == 0, checked.stdout[-3000:] + checked.stderr[-3000:]
 
-    built = toy_kit.run(kit, "release", "--build", "--out", str(tmp_path / "release"))
+    built = toy_kit.run(kit, "release", "--build", "--out", str(tmp_path / "release"), module="instructor")
     assert built.returncode == 0, built.stdout[-3000:] + built.stderr[-3000:]
     release = tmp_path / "release"
-    assert 'raise NotImplementedError("add: add them (handout 07 §1)")' in (release / "student" / "toy.py").read_text()
-    assert (release / "tests" / "test_stage7_toy.py").exists() and (release / "handout" / "07-toy.md").exists()
+    stub = f'raise NotImplementedError("add: add them (handout 0{n} §1)")'
+    assert stub in (release / "student" / "toy.py").read_text()
+    assert (release / "tests" / f"test_stage{n}_toy.py").exists() and (release / "handout" / f"0{n}-toy.md").exists()
     assert not (release / "tests" / "hidden").exists()
 
     # The release has no hidden tests: the handout's "Hidden tests:" lines are not errors there.
     checked = toy_kit.run(release, "check-handout")
     assert checked.returncode == 0, checked.stdout[-3000:] + checked.stderr[-3000:]
-    stubs = toy_kit.run(release, "grade", "--stage", "7")
+    stubs = toy_kit.run(release, "grade", "--stage", str(n))
     assert stubs.returncode == 0 and "0/4" in stubs.stdout and "implement add" in stubs.stdout, stubs.stdout
 
 
 def test_a_test_marked_for_another_stage_is_refused(tmp_path: Path):
-    kit = toy_kit.make(tmp_path / "kit")
-    test_file = kit / "tests" / "test_stage7_toy.py"
-    test_file.write_text(test_file.read_text().replace("pytest.mark.stage7", "pytest.mark.stage1"))
+    n, other = toy_kit.FIRST, toy_kit.SECOND
+    kit = toy_kit.make(tmp_path / "kit", (n, other))
+    test_file = kit / "tests" / f"test_stage{n}_toy.py"
+    test_file.write_text(test_file.read_text().replace(f"pytest.mark.stage{n}", f"pytest.mark.stage{other}"))
     proc = toy_kit.run_pytest(kit, "--collect-only", "-q")
-    assert proc.returncode != 0 and "kit/stages.py lists this file under stage 7" in proc.stdout + proc.stderr
+    assert proc.returncode != 0 and f"kit/stages.py lists this file under stage {n}" in proc.stdout + proc.stderr
+
+
+def _make(kit: Path, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run(["make", *args], cwd=kit, env=toy_kit.env(), capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_the_recipe_in_contributing_adds_a_stage_that_passes_what_ci_runs(tmp_path: Path):
+    """CONTRIBUTING.md's "Adding a stage", step by step as written, then CI's own commands on the result."""
+    kit = toy_kit.make(tmp_path / "kit", ())  # the machinery only: no stage yet
+    shutil.copy2(ROOT / "tests" / "test_notebooks.py", kit / "tests" / "test_notebooks.py")
+    (kit / ".venv").symlink_to(ROOT / ".venv")  # the same pinned environment; `make setup` finds nothing to do
+    n = toy_kit.FIRST
+    recipe = (ROOT / "CONTRIBUTING.md").read_text()
+    steps = [f"make new-stage N={n} NAME=toy_sum", "make student notebooks", f"make timings STAGE={n}", "make test",
+             f"make mutants STAGE={n}"]
+    for step in steps:  # the recipe says these, in this order
+        assert step.split(f"={n}")[0].split(" NAME")[0] in recipe, f"CONTRIBUTING.md no longer says `{step}`"
+    done = _make(kit, "new-stage", f"N={n}", "NAME=toy_sum", "TITLE=Toy sum")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    for args in (["student", "notebooks"], ["timings", f"STAGE={n}"], ["test"], ["mutants", f"STAGE={n}"]):
+        done = _make(kit, *args)
+        assert done.returncode == 0, f"make {' '.join(args)}:\n" + done.stdout[-4000:] + done.stderr[-3000:]
+    assert "1/1 catalogued mistakes caught" in done.stdout, done.stdout[-2000:]
+    smoke = subprocess.run([sys.executable, "-m", "benchmarks.bench_toy_sum", "--smoke", "--impl", "reference"],
+                           cwd=kit, env=toy_kit.env(), capture_output=True, text=True, timeout=120)
+    assert smoke.returncode == 0, smoke.stdout[-2000:] + smoke.stderr[-2000:]
+    again = _make(kit, "new-stage", f"N={n}", "NAME=toy_sum", "TITLE=Toy sum")
+    assert again.returncode != 0 and "exists already" in again.stdout + again.stderr, "a stage is added once"
+
+
+def test_a_number_or_module_two_stages_claim_is_refused():
+    twin = stages.Stage(1, "Twin", ("twin",), ("99-twin.md",), ("test_stage99_*.py",))
+    with pytest.raises(ValueError, match="number 1 belongs to stage 1 and to stage 1"):
+        stages.check((*stages.STAGES, twin))
+    thief = stages.Stage(99, "Thief", ("ddp",), ("99-thief.md",), ("test_stage99_*.py",))
+    with pytest.raises(ValueError, match="module 'ddp' belongs to stage 4 and to stage 99"):
+        stages.check((*stages.STAGES, thief))

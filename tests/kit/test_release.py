@@ -122,10 +122,10 @@ def test_release_contains_no_solution_text(built_release: Path):
 
 
 def test_release_contains_no_answer_key(built_release: Path):
-    """The instructor's answer key never ships: not its templates (instructor/), not its renderer
-    (kit/answers.py), not a rendered key, and no line of a key's text in any shipped file."""
+    """The instructor's answer key never ships: not its templates or its renderer (instructor/), not a rendered
+    key, and no line of a key's text in any shipped file."""
     assert (ROOT / "instructor" / "answers").is_dir(), "the answer key is missing from the instructor's kit"
-    for path in ("instructor", "kit/answers.py", "answers-output"):
+    for path in ("instructor", "answers-output", "reference", "tests/hidden", "tests/kit", "CONTRIBUTING.md"):
         assert not (built_release / path).exists(), f"the student release contains {path}"
     handouts = "\n".join(p.read_text() for p in (ROOT / "handout").glob("*.md"))
     key_lines = {ln.strip() for p in (ROOT / "instructor" / "answers").glob("*") if p.is_file()
@@ -136,9 +136,46 @@ def test_release_contains_no_answer_key(built_release: Path):
     leaks = [f"{p.relative_to(built_release)}: {ln[:80]!r}" for p, text in shipped.items() for ln in key_lines
              if ln in text]
     assert not leaks, "answer-key text leaked into the release:\n" + "\n".join(leaks[:20])
-    proc = subprocess.run([sys.executable, "-m", "kit", "answers"], cwd=built_release, capture_output=True, text=True,
-                          env=_student_env(built_release), timeout=120)
-    assert proc.returncode != 0 and "instructor" in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+
+
+def test_every_command_the_release_lists_works_there(built_release: Path, tmp_path: Path):
+    """`python -m kit --help` in the release lists only what works there; each one is typed here."""
+    env = _student_env(built_release)
+
+    def kit(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "kit", *args], cwd=built_release, env=env, capture_output=True,
+                              text=True, timeout=timeout)
+
+    listed = kit("--help")
+    commands = re.search(r"\{([a-z,-]+)\}", listed.stdout).group(1).split(",")
+    assert set(commands) == {"grade", "autograde", "check-handout", "stages", "doctor", "nsys-summary"}, commands
+    nvtx = tmp_path / "nvtx.csv"
+    nvtx.write_text("Time (%),Total Time (ns),Instances,Avg (ns),Med (ns),Min (ns),Max (ns),StdDev (ns),Style,Range\n"
+                    "100.0,1000,1,1000.0,1000.0,1000,1000,0.0,PushPop,forward\n")
+    runs = {
+        "grade": ["grade", "--stage", "1"],
+        "autograde": ["autograde", "--submission", str(built_release), "--results", str(tmp_path / "r.json"),
+                      "--stage", "1"],
+        "check-handout": ["check-handout"], "stages": ["stages"], "doctor": ["doctor"],
+        "nsys-summary": ["nsys-summary", str(nvtx)],
+    }
+    for name in commands:
+        proc = kit(*runs[name])
+        assert proc.returncode == 0, f"`python -m kit {' '.join(runs[name])}` in the release:\n{proc.stdout[-2000:]}" \
+                                     f"{proc.stderr[-2000:]}"
+    for gone in ("release", "mutants", "answers", "autograder"):
+        assert kit(gone).returncode == 2, f"`python -m kit {gone}` should be an unknown command in the release"
+    assert json.loads((tmp_path / "r.json").read_text())["score"] == 0, "the autograder grades the stubs as 0"
+
+
+def test_release_links_resolve(built_release: Path):
+    """A relative link in the release's README or handout points at a file the release has."""
+    broken = []
+    for page in [built_release / "README.md", *sorted((built_release / "handout").glob("*.md"))]:
+        for target in re.findall(r"\]\(([^)#:\s]+)(?:#[^)]*)?\)", page.read_text()):
+            if not (page.parent / target).exists():
+                broken.append(f"{page.relative_to(built_release)} → {target}")
+    assert not broken, "links to files the release does not have:\n" + "\n".join(broken)
 
 
 def test_release_test_command_grades_the_stubs_as_zero(built_release: Path):
@@ -156,7 +193,8 @@ def test_release_help_lists_student_targets_only(built_release: Path):
     assert proc.returncode == 0, proc.stderr
     targets = {line.split()[1] for line in proc.stdout.splitlines() if line.strip().startswith("make ")}
     assert {"grade", "test", "setup", "lint", "doctor"} <= targets, proc.stdout
-    instructor = {"student", "check-student", "release", "autograder", "soak", "test-reference", "test-kit", "answers"}
+    instructor = {"student", "check-student", "release", "autograder", "soak", "test-reference", "test-kit", "answers",
+                  "mutants", "timings", "gpu-check", "new-stage", "check-kernels"}
     assert not targets & instructor, f"`make help` in the release lists instructor targets: {targets & instructor}"
     assert "everything CI checks" not in proc.stdout and "grade student/" in proc.stdout
 

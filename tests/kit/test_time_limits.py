@@ -37,14 +37,15 @@ def test_limits_cover_shared_work_whichever_test_pays_for_it():
 
 
 def test_a_module_that_hangs_at_import_fails_its_stage_at_once_and_the_others_are_graded(tmp_path):
-    kit = toy_kit.make(tmp_path / "kit", (7, 8))
-    hang = toy_kit.solution(7).replace("from __future__ import annotations\n",
+    first, second = toy_kit.FIRST, toy_kit.SECOND
+    kit = toy_kit.make(tmp_path / "kit", (first, second))
+    hang = toy_kit.solution(first).replace("from __future__ import annotations\n",
                                        "from __future__ import annotations\nwhile True:\n    pass\n")
     sub = toy_kit.submission(tmp_path, "sub", hang, "toy")
-    (sub / "student" / "toy8.py").write_text(toy_kit.solution(8))
-    tests, elapsed = _grade(kit, sub, "--stage", "7,8", "--import-timeout", "3")
-    stage7 = [t for name, t in tests.items() if name.startswith("Stage 7")]
-    stage8 = [t for name, t in tests.items() if name.startswith("Stage 8")]
+    (sub / "student" / f"{toy_kit.module_name(second)}.py").write_text(toy_kit.solution(second))
+    tests, elapsed = _grade(kit, sub, "--stage", f"{first},{second}", "--import-timeout", "3")
+    stage7 = [t for name, t in tests.items() if name.startswith(f"Stage {first} ")]
+    stage8 = [t for name, t in tests.items() if name.startswith(f"Stage {second} ")]
     assert len(stage7) == len(stage8) == 3
     assert all(t["status"] == "failed" and "importing student.toy did not finish" in t["output"]
                and "more than its budget of 3.0" in t["output"] for t in stage7), stage7[0]["output"]
@@ -54,19 +55,20 @@ def test_a_module_that_hangs_at_import_fails_its_stage_at_once_and_the_others_ar
 
 def test_each_test_gets_a_cpu_budget_from_its_recorded_reference_time_setup_included(tmp_path):
     kit = toy_kit.make(tmp_path / "kit")
-    recorded = toy_kit.run(kit, "grade", "--impl", "reference", "--stage", "7", "--record-timings")
+    n = toy_kit.FIRST
+    recorded = toy_kit.run(kit, "timings", "--stage", str(n), module="instructor")
     assert recorded.returncode == 0 and "wrote tests/timings.json" in recorded.stdout, recorded.stdout + recorded.stderr
     timings = json.loads((kit / "tests" / "timings.json").read_text())["tests"]
-    assert sorted(timings) == [f"tests/test_stage7_toy.py::test_{n}" for n in ("add", "double", "prepare")]
+    assert sorted(timings) == [f"tests/test_stage{n}_toy.py::test_{t}" for t in ("add", "double", "prepare")]
     assert all(len(v) == 5 and all(0 <= x < 5 for x in v) for v in timings.values()), timings
 
     # double() never returns; prepare() spins in the module-scoped fixture, i.e. in test_prepare's setup.
     source = toy_kit.solution().replace("    return 2 * x\n", SPIN).replace('    return "ready"\n', SPIN)
     sub = toy_kit.submission(tmp_path, "sub", source)
-    tests, elapsed = _grade(kit, sub, "--stage", "7", "--timing-floor", "2")
-    assert tests["Stage 7 · P7.1 · test_add"]["status"] == "passed"
-    for name, phase in (("P7.1 · test_double", "call failed"), ("P7.2 · test_prepare", "setup failed")):
-        t = tests[f"Stage 7 · {name}"]
+    tests, elapsed = _grade(kit, sub, "--stage", str(n), "--timing-floor", "2")
+    assert tests[f"Stage {n} · P{n}.1 · test_add"]["status"] == "passed"
+    for name, phase in ((f"P{n}.1 · test_double", "call failed"), (f"P{n}.2 · test_prepare", "setup failed")):
+        t = tests[f"Stage {n} · {name}"]
         assert t["status"] == "failed" and phase in t["output"] and "more than its budget of 2.0" in t["output"], (
             t["output"])
         assert "Stopped at: process 0 at " in t["output"] and "toy.py" in t["output"], "where it spun"
@@ -79,9 +81,10 @@ def test_what_blocks_is_stopped_by_the_idle_limit_even_deaf_to_signals(tmp_path)
     deaf = ("    import signal, time\n    signal.pthread_sigmask(signal.SIG_BLOCK, set(signal.Signals))\n"
             "    time.sleep(10_000)\n")
     sub = toy_kit.submission(tmp_path, "sub", toy_kit.solution().replace("    return 2 * x\n", deaf))
-    tests, elapsed = _grade(kit, sub, "--stage", "7", "--idle-limit", "3")
-    t = tests["Stage 7 · P7.1 · test_double"]
+    n = toy_kit.FIRST
+    tests, elapsed = _grade(kit, sub, "--stage", str(n), "--idle-limit", "3")
+    t = tests[f"Stage {n} · P{n}.1 · test_double"]
     assert t["status"] == "failed" and "made no progress for 3 s" in t["output"], t["output"]
     assert "it blocks the signal that asks for one" in t["output"], "no stack to show, and why"
-    assert tests["Stage 7 · P7.2 · test_prepare"]["status"] == "passed", "the tests after it still run"
+    assert tests[f"Stage {n} · P{n}.2 · test_prepare"]["status"] == "passed", "the tests after it still run"
     assert elapsed < 40, f"a blocked test with a 3 s idle limit cost {elapsed:.0f} s"
