@@ -56,6 +56,7 @@ def cmd_grade(args: argparse.Namespace) -> int:
     from kit.grading import processes, reporting, running
 
     processes.install_interrupt_handlers()
+    _warn_below_floor()
     kwargs = dict(stages=_stages(args.stage), include_hidden=args.hidden, limits=_limits(args))
     if args.batch:
         return _grade_batch(args, **kwargs)
@@ -83,6 +84,7 @@ def cmd_autograde(args: argparse.Namespace) -> int:
     from kit.grading.autograde import autograde
 
     processes.install_interrupt_handlers()
+    _warn_below_floor()
     data = autograde(Path(args.submission), Path(args.results), stages=_stages(args.stage), limits=_limits(args))
     print(f"{data['score']:g} / {data.get('max_score', 0):g} points → {args.results}")
     return processes.interrupted_exit_code() or 0
@@ -106,10 +108,18 @@ def cmd_check_handout(args: argparse.Namespace) -> int:
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
-    from kit.doctor import report
+    from kit.doctor import grader_report, report
 
-    print(report())
+    print(grader_report() if args.grader else report())
     return 0
+
+
+def _warn_below_floor() -> None:
+    """Before grading: say what this machine lacks (CPUs, memory, Landlock), so a slow run is not a surprise."""
+    from kit.doctor import grader_floor
+
+    for problem in grader_floor():
+        print(f"note: {problem}", file=sys.stderr)
 
 
 def cmd_nsys_summary(args: argparse.Namespace) -> int:
@@ -171,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     st.set_defaults(func=cmd_stages)
 
     d = sub.add_parser("doctor", help="what this machine can run: versions, CUDA, Triton mode, nsys")
+    d.add_argument("--grader", action="store_true",
+                   help="instead: this machine against what grading needs (CPUs, memory, Landlock)")
     d.set_defaults(func=cmd_doctor)
 
     n = sub.add_parser("nsys-summary", help="kernel time per NVTX range from `nsys stats` CSV files")

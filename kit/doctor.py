@@ -62,3 +62,84 @@ def report() -> str:
                                   "Triton kernels run in the interpreter: correct but slow — keep shapes small."))
     lines.append("  Stages 4–6  distributed code runs on local processes with " + ("NCCL." if cuda else "gloo."))
     return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------------ the grader's floor
+
+# What grading one submission needs, measured on the 2-core, 24 GiB machine that records the kit's timings
+# (README, "Instructor workflow": the figures and the command that measured them).
+FLOOR_CPUS = 1  # grading works on one CPU, slower: Stage 6's 8 ranks take turns on it
+RECOMMENDED_CPUS = 2
+FLOOR_MEMORY_GIB = 3.0  # the graded suite with the hidden tests peaked 2.1 GiB above the idle machine
+RECOMMENDED_MEMORY_GIB = 4.0
+
+
+def available_cpus() -> float:
+    """CPUs this process may use: its affinity, capped by a cgroup v2 CPU quota (a container's CPU setting)."""
+    import os
+
+    cpus = float(len(os.sched_getaffinity(0))) if hasattr(os, "sched_getaffinity") else float(os.cpu_count() or 1)
+    try:
+        quota, period = open("/sys/fs/cgroup/cpu.max").read().split()
+        if quota != "max":
+            cpus = min(cpus, int(quota) / int(period))
+    except (OSError, ValueError):
+        pass
+    return cpus
+
+
+def available_memory_gib() -> float | None:
+    """Memory available now: the kernel's MemAvailable, capped by a cgroup v2 limit; None where unknown."""
+    found = []
+    try:
+        for line in open("/proc/meminfo"):
+            if line.startswith("MemAvailable:"):
+                found.append(int(line.split()[1]) / 2**20)
+    except OSError:
+        pass
+    try:
+        limit = open("/sys/fs/cgroup/memory.max").read().strip()
+        used = int(open("/sys/fs/cgroup/memory.current").read())
+        if limit != "max":
+            found.append((int(limit) - used) / 2**30)
+    except (OSError, ValueError):
+        pass
+    return min(found) if found else None
+
+
+def grader_floor() -> list[str]:
+    """What this machine lacks to grade well, one line each (empty: it meets the recommendation)."""
+    from kit.spawn.confine import landlock_abi
+
+    problems = []
+    cpus, memory = available_cpus(), available_memory_gib()
+    if cpus < RECOMMENDED_CPUS:
+        problems.append(f"{cpus:g} CPU(s) (recommended: {RECOMMENDED_CPUS}): grading works but takes longer; no test "
+                        "loses points to it (limits count CPU time, not the clock)")
+    if memory is not None and memory < FLOOR_MEMORY_GIB:
+        problems.append(f"{memory:.1f} GiB of memory available (floor: {FLOOR_MEMORY_GIB:g} GiB, recommended "
+                        f"{RECOMMENDED_MEMORY_GIB:g}): Stage 6's 8 ranks may not fit, and tests would fail with "
+                        "MemoryError or a killed worker")
+    elif memory is not None and memory < RECOMMENDED_MEMORY_GIB:
+        problems.append(f"{memory:.1f} GiB of memory available (recommended: {RECOMMENDED_MEMORY_GIB:g} GiB): enough "
+                        "for one submission at a time (--jobs 1)")
+    if landlock_abi() < 1:
+        problems.append("no Landlock in this kernel: workers run unconfined, so a submission could read and write "
+                        "what the grader's user can (README, 'What a grade can be trusted for')")
+    return problems
+
+
+def grader_report() -> str:
+    """``python -m kit doctor --grader``: this machine against the grader's floor."""
+    from kit.spawn.confine import landlock_abi
+
+    memory = available_memory_gib()
+    lines = ["LLM Systems Lab — grader check",
+             f"  CPUs        {available_cpus():g} (recommended {RECOMMENDED_CPUS}, floor {FLOOR_CPUS})",
+             f"  memory      {'unknown' if memory is None else f'{memory:.1f} GiB available'} "
+             f"(recommended {RECOMMENDED_MEMORY_GIB:g} GiB, floor {FLOOR_MEMORY_GIB:g})",
+             f"  Landlock    {'ABI ' + str(landlock_abi()) if landlock_abi() else 'none'} (confines the workers)"]
+    problems = grader_floor()
+    ok = ["  OK          this machine meets the grader's recommendation"]
+    lines += [f"  WARNING     {p}" for p in problems] or ok
+    return "\n".join(lines)

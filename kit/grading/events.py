@@ -91,7 +91,7 @@ class RunRecord:
 
     collected: list[dict] | None = None
     reports: dict[str, dict[str, dict]] = field(default_factory=dict)  # nodeid → when → report
-    import_failures: dict[int, str] = field(default_factory=dict)  # stage → why its modules did not import
+    import_failures: dict[str, str] = field(default_factory=dict)  # module → why it did not import
     flags: list[str] = field(default_factory=list)
     activity: Activity | None = None
     finished: bool = False  # of the current attempt
@@ -105,7 +105,7 @@ class RunRecord:
         elif kind == "imported":
             self.activity = None
             if event["outcome"] != "passed":
-                self.import_failures.setdefault(event["stage"], event["message"])
+                self.import_failures.setdefault(event["module"], event["message"])
         elif kind == "start":  # limit 0: the test has no time limit
             self.activity = Activity("test", event["nodeid"], 0, event["limit"] or float("inf"))
         elif kind == "report":

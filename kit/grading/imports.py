@@ -1,9 +1,10 @@
-"""Before a stage's tests: import each of its modules once, in a worker, under a time limit.
+"""Before the tests: import each graded module once, in a worker, under a time limit.
 
-A module that hangs or fails at import fails its stage at once, with the reason; the other stages are
-graded as usual. The module is then marked unavailable in every worker (:func:`kit.spawn.parent.mark_unavailable`):
-a later stage whose code imports it — Stage 6 uses Stage 4's DDP — fails at once with a message naming
-the earlier stage's module, instead of hanging in it again.
+A module that hangs or fails at import is marked unavailable in every worker from then on
+(:func:`kit.spawn.parent.mark_unavailable`): a test that uses it — one of its own stage, or of a later stage that
+builds on it (Stage 6 uses Stage 4's DDP) — fails at once with a message naming the module, its stage and why,
+instead of hanging in it again; every test that does not use it is graded as usual. One mistake, charged once:
+an FSDP test does not lose its points to a ZeRO module that hangs.
 """
 
 from __future__ import annotations
@@ -24,39 +25,36 @@ def _modules(package: str, module: str, root: Path) -> list[str]:
     return names
 
 
-def check_imports(package: str, stages: list[int], seconds: float, failures: dict[int, str],
+def unavailable_message(name: str, stage: int | None, why: str) -> str:
+    where = f" (Stage {stage}, {registry.get(stage).title})" if stage else ""
+    fix = f" Fix Stage {stage}'s module first" if stage else " Fix it first"
+    return f"{name}{where} did not import, so this test, which uses it, cannot run.{fix}:\n{why}"
+
+
+def check_imports(package: str, stages: list[int], seconds: float, failures: dict[str, str],
                   write: Callable[[dict], None], root: Path) -> None:
-    """Import each stage's modules (a package's modules too) once in the worker; add the stages that fail
-    to ``failures`` and mark their modules unavailable to every later worker."""
+    """Import the package and each stage's modules (a package's modules too) once in the worker; add the ones
+    that fail to ``failures`` (module → why) and mark every failed one unavailable to every later worker."""
     from kit.checks import Worker
     from kit.spawn.parent import mark_unavailable
 
     worker = Worker()
-    todo = [s for s in stages if s not in failures]
+    known = {name: stage for stage in stages for module in registry.get(stage).modules
+             for name in _modules(package, module, root)}
 
-    def attempt(name: str, stage: int) -> str | None:
-        write({"event": "import", "stage": stage, "module": name, "limit": seconds * 10})
-        why = worker.import_module(name, seconds)
-        write({"event": "imported", "stage": stage, "module": name, "outcome": "failed" if why else "passed",
-               "message": why or ""})
-        return why
+    def attempt(name: str, stage: int) -> None:
+        if name not in failures:
+            write({"event": "import", "stage": stage, "module": name, "limit": seconds * 10})
+            why = worker.import_module(name, seconds)
+            write({"event": "imported", "stage": stage, "module": name, "outcome": "failed" if why else "passed",
+                   "message": why or ""})
+            if why is not None:
+                failures[name] = why
+        if name in failures:
+            mark_unavailable({name: unavailable_message(name, stage or None, failures[name])})
 
-    # The package first: a hang in its __init__ would otherwise cost every stage the import limit.
-    why = attempt(package, 0) if todo else None
-    if why is not None:
-        mark_unavailable({package: f"the package {package} did not import:\n{why}"})
-    for stage in todo:
-        if why is not None:
-            failures[stage] = why
-            continue
-        for module in registry.get(stage).modules:
-            for name in _modules(package, module, root):
-                failure = attempt(name, stage)
-                if failure is not None:
-                    failures[stage] = failure
-                    title = registry.get(stage).title
-                    mark_unavailable({name: f"{name} (Stage {stage}, {title}) did not import, so this test, which "
-                                            f"uses it, cannot run. Fix Stage {stage} first:\n{failure}"})
-                    break
-            if stage in failures:
-                break
+    attempt(package, 0)  # first: a hang in its __init__ would otherwise cost every module the limit
+    if package in failures:
+        return
+    for name, stage in known.items():
+        attempt(name, stage)

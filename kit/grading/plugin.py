@@ -13,9 +13,9 @@ code under test: the tests hand named checks to worker processes and compare the
 * **limits that tell a hang from a slow machine.** Each test's workers get a CPU budget from the
   reference's recorded CPU time and an idle limit (:mod:`kit.grading.timings`, :mod:`kit.spawn.watch`);
   the wall clock (``--per-test-timeout``) is only the last resort;
-* **imports first.** Before any test, each stage's modules are imported once in a worker under
-  ``--import-timeout``; a stage whose code hangs or fails at import fails at once, with the reason, and
-  the others are graded as usual (:mod:`kit.grading.imports`).
+* **imports first.** Before any test, each graded module is imported once in a worker under
+  ``--import-timeout``; one that hangs or fails at import is unavailable from then on, so the tests that use
+  it fail at once, naming it and why, and every other test is graded as usual (:mod:`kit.grading.imports`).
 
 It appends one JSON line per event to the log, flushed at once, so the grader still knows what passed
 if this process dies halfway:
@@ -62,7 +62,7 @@ class _State:
     idle = timings.IDLE
     files_started: set[str] = set()  # test files of which a test has begun in this process
     import_timeout = 0.0
-    import_failures: dict[int, str] = {}
+    import_failures: dict[str, str] = {}  # module → why it did not import
     cpu_at_phase_start = 0.0
 
 
@@ -102,7 +102,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="seconds a test's workers may make no progress before they count as blocked")
     group.addoption("--import-timeout", type=float, default=0.0,
                     help="import each graded stage's modules first, failing the stage past this many seconds")
-    group.addoption("--failed-imports", default=None, help="JSON {stage: reason}: stages already known not to import")
+    group.addoption("--failed-imports", default=None, help="JSON {module: reason}: modules already known not to import")
 
 
 def _write(event: dict) -> None:
@@ -126,7 +126,7 @@ def pytest_configure(config: pytest.Config) -> None:
     _State.import_timeout = config.getoption("--import-timeout") or 0.0
     known = config.getoption("--failed-imports")
     if known:
-        _State.import_failures = {int(k): v for k, v in json.loads(Path(known).read_text()).items()}
+        _State.import_failures = dict(json.loads(Path(known).read_text()))
     if path:
         _State.log_path = os.path.abspath(path)
         _State.log = open(path, "a", encoding="utf-8")  # noqa: SIM115 — stays open for the whole session
@@ -178,10 +178,6 @@ def pytest_runtest_setup(item: pytest.Item):
     # Setup and call share one allowance: a module-scoped spawn in setup is the test's work too.
     workers.set_allowance(workers.Allowance(cpu=budget.cpu, idle=_State.idle, wall=budget.run))
     _State.cpu_at_phase_start = 0.0
-    stage = registry.stage_of(item)
-    why = _State.import_failures.get(stage or 0)
-    if why is not None:
-        pytest.fail(f"Stage {stage}'s code did not import, so none of its tests can run:\n{why}", pytrace=False)
     return (yield)
 
 

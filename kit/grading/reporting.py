@@ -48,7 +48,12 @@ def _first_problem(t: TestResult) -> str:
     if m:
         return "implement " + m.group(1).strip()
     m = _ASSERTION.search(t.output)
-    return (m.group(1).strip() if m else t.output.strip().split("\n")[-1])[:200]
+    if m:  # without the harness's own exception class: what the student reads is the worker's error
+        return re.sub(r"^(?:kit\.checks\.RankCheckError|kit\.spawn\.Rank\w+Error): ", "", m.group(1).strip())[:200]
+    # A failure reported as a plain message (a stage that did not import): its first lines, not its traceback.
+    lines = [ln.strip() for ln in t.output.splitlines() if ln.strip() and not re.fullmatch(r"\[\w+ \w+\]", ln.strip())]
+    first = " ".join(lines[:2]) if lines and lines[0].endswith(":") else (lines[0] if lines else "")
+    return first[:200]
 
 
 def _title(stage: int) -> str:

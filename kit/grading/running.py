@@ -10,7 +10,8 @@ to a signed log. The grader watches that log while the child runs:
   only if a test outlives its wall-clock cap by ``Limits.grace`` (a fault of the kit, not of a submission);
 * if the child dies or is killed mid-run, the test it was in fails and the tests it never reached run
   again in a fresh child (at most ``MAX_RESUMES`` times), so one bad test costs one test;
-* if it dies or hangs while importing a stage's modules, that stage fails and the others are graded;
+* if it dies or hangs while checking a module's import, the tests that use that module fail and the others
+  are graded;
 * past the submission's time limit, or when grading is interrupted, it stops with what it has.
 """
 
@@ -188,11 +189,10 @@ class SuiteRun:
         return record.unreported()
 
     def _import_failed(self, activity: Activity, outcome: str, code: int | None) -> None:
-        """The child hung or died importing a stage's module: that stage fails (stage 0: the package, all fail)."""
+        """The judge hung or died checking a module's import: that module is unavailable to the tests that use it."""
         why = (f"importing {activity.what} did not stop at its time limit of {activity.limit:g} s and was killed"
                if outcome == "hung" else f"the test process exited (code {code}) while importing {activity.what}")
-        for stage in [activity.stage] if activity.stage else {t["stage"] for t in self.record.collected}:
-            self.record.import_failures.setdefault(stage, why)
+        self.record.import_failures.setdefault(activity.what, why)
         self.notes.append(why)
         if outcome != "hung":
             self.status = "crashed"

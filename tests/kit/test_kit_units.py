@@ -132,3 +132,22 @@ def test_handout_check_catches_a_wrong_total(tmp_path):
     problems = parse_handout(chapter)
     assert [(p.number, p.points, p.tests, p.hidden) for p in problems] == [
         ("9.1", 3.0, ["test_a", "test_b"], {"test_c": 1.0}), ("9.2", None, [], {})]
+
+
+def test_doctor_says_what_a_grading_machine_lacks(monkeypatch):
+    from kit import doctor
+    from kit.spawn import confine
+
+    monkeypatch.setattr(doctor, "available_cpus", lambda: 1.0)
+    monkeypatch.setattr(doctor, "available_memory_gib", lambda: 2.0)
+    monkeypatch.setattr(confine, "landlock_abi", lambda: 0)
+    problems = doctor.grader_floor()
+    assert len(problems) == 3, problems
+    assert problems[0].startswith("1 CPU(s) (recommended: 2)") and "no test loses points" in problems[0]
+    assert "2.0 GiB of memory available (floor: 3 GiB" in problems[1]
+    assert "no Landlock" in problems[2]
+    assert "WARNING" in doctor.grader_report()
+    monkeypatch.setattr(doctor, "available_cpus", lambda: 2.0)
+    monkeypatch.setattr(doctor, "available_memory_gib", lambda: 6.0)
+    monkeypatch.setattr(confine, "landlock_abi", lambda: 7)
+    assert doctor.grader_floor() == [] and "meets the grader's recommendation" in doctor.grader_report()
