@@ -220,6 +220,11 @@ class TransformerLM(nn.Module):
             block.attn.attention_fn = attention_fn
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.hidden_states(tokens))
+
+    def hidden_states(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The final-normalised hidden states ``(B, T, d_model)``: what the LM head turns into logits. A loss
+        that fuses the LM head with the cross-entropy (Stage 7) starts here, with ``self.lm_head.weight``."""
         if tokens.dtype != torch.long or tokens.dim() != 2:
             raise ValueError(
                 f"tokens must be an int64 tensor of shape (batch, seq), got {tokens.dtype} {tuple(tokens.shape)}"
@@ -231,7 +236,7 @@ class TransformerLM(nn.Module):
         x = self.token_embeddings(tokens)
         for block in self.layers:
             x = block(x)
-        return self.lm_head(self.final_norm(x))
+        return self.final_norm(x)
 
     def num_parameters(self, non_embedding: bool = False) -> int:
         n = sum(p.numel() for p in self.parameters())
