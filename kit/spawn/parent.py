@@ -136,10 +136,12 @@ def _zygote(trusted: bool = False) -> Zygote:
             scratch = _scratch(trusted)
             (scratch / "home").mkdir(exist_ok=True)
             env = {k: v for k, v in os.environ.items() if k != "KIT_GRADING_KEY"}
-            env.update(HOME=str(scratch / "home"), TMPDIR=str(scratch), PYTHONDONTWRITEBYTECODE="1")
+            env.update(TMPDIR=str(scratch), PYTHONDONTWRITEBYTECODE="1")
             if trusted:
                 env["KIT_NO_IMPLEMENTATION"] = "1"
             rules = _workers.rules
+            if rules is not None:  # confined workers write only their scratch: their home is there too
+                env["HOME"] = str(scratch / "home")
             if rules is not None and not trusted:
                 rules = Rules(read=rules.read, list_only=rules.list_only, write=[*rules.write, str(scratch)])
             zygote = _workers.zygotes[trusted] = Zygote(scratch, None if trusted else rules, env)
