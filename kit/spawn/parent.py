@@ -236,18 +236,19 @@ class Outcome:
         self.checks = [{} for _ in range(self.n)]
 
 
-def _forward(child: Child, offsets: dict[Path, int]) -> None:
-    """What a worker wrote to stdout and stderr reaches ours (pytest captures it per test) as it grows."""
+def _forward(child: Child) -> None:
+    """What a worker wrote to stdout and stderr reaches ours (pytest captures it per test) as it grows, once."""
     for path, fd in ((child.stdout, 1), (child.stderr, 2)):
         try:
             size = path.stat().st_size
         except OSError:
             continue
-        if size > offsets.get(path, 0):
+        done = child.forwarded.get(path, 0)
+        if size > done:
             with open(path, "rb") as f:
-                f.seek(offsets.get(path, 0))
-                data = f.read(size - offsets.get(path, 0))
-            offsets[path] = offsets.get(path, 0) + len(data)
+                f.seek(done)
+                data = f.read(size - done)
+            child.forwarded[path] = done + len(data)
             os.write(fd, data)
 
 
@@ -305,7 +306,6 @@ def collect(children: list[Child], *, timeout: float, stop_early: bool = True) -
     pending = {child.conn: r for r, child in enumerate(children)}
     watch = TreeWatch([c.pid for c in children])
     budget = _allowance
-    offsets: dict[Path, int] = {}
     stop_at = None
     while pending:
         for conn in wait(list(pending), timeout=POLL_S):
@@ -326,7 +326,7 @@ def collect(children: list[Child], *, timeout: float, stop_early: bool = True) -
             if message.get("ok") is not True:
                 outcome.errors_first.append(r)
         for child in children:
-            _forward(child, offsets)
+            _forward(child)
         outcome.cpu = watch.sample()
         now = time.monotonic()
         if stop_early and stop_at is None and (outcome.errors_first or outcome.died) and pending:
@@ -353,7 +353,7 @@ def collect(children: list[Child], *, timeout: float, stop_early: bool = True) -
         outcome.died[r] = _exit_code(children[r])
         outcome.stderr[r] = stderr_tail(children[r])
     for child in children:
-        _forward(child, offsets)
+        _forward(child)
     return outcome
 
 

@@ -29,7 +29,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
 
@@ -160,6 +160,7 @@ class Child:
     stderr: Path
     stacks: Path  # where its faulthandler writes its Python stack when the judge asks (SIGUSR1)
     zygote_pid: int
+    forwarded: dict[Path, int] = field(default_factory=dict)  # bytes of stdout/stderr already passed on
 
     def is_live_child(self) -> bool:
         """Whether this pid is still the zygote's child (checked before the judge signals it: a pid the
