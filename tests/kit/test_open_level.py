@@ -60,14 +60,15 @@ def test_open_level_keeps_every_public_signature_and_drops_the_scaffolding():
 
 def test_cli_builds_an_open_level_release(tmp_path):
     out = tmp_path / "open-release"
-    proc = subprocess.run([sys.executable, "-m", "kit", "release", "--build", "--level", "open", "--out", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-m", "instructor", "release", "--build", "--level", "open",
+                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert not (out / "reference").exists()
     assert (out / "student" / "ddp.py").read_bytes() == release.render_student(level="open")[Path("ddp.py")]
     dry = subprocess.run(["make", "-n", "student", "release", "LEVEL=open"], cwd=ROOT, capture_output=True,
                          text=True, timeout=60)
-    assert "kit release --student --level open" in dry.stdout and "kit release --build --level open" in dry.stdout
+    assert "instructor release --student --level open" in dry.stdout
+    assert "instructor release --build --level open" in dry.stdout
 
 
 @pytest.fixture(scope="module")
