@@ -3,6 +3,26 @@ points at it. ZeRO-1 (zero.py) first, then FSDP (fsdp.py)."""
 
 from instructor.mutants import Mutant
 
+# Two mistakes move a line of one hook into the next hook: the text from the first to the second.
+_PREFETCH_FORWARD = "            self._prefetch(unit, reverse=False)\n"
+_PRE_TO_POST_FORWARD = (
+    "            self._wait_unshard(unit)\n            _install(unit)\n            # END SOLUTION\n"
+    "            return _cast_floats(args, self.compute_dtype)\n\n        return hook\n\n"
+    "    def _post_forward_hook(self, unit: _Unit) -> Callable:\n"
+    "        def hook(module: nn.Module, args: tuple, output: Any) -> None:\n"
+    "            # BEGIN SOLUTION uninstall, free if resharding, hook the pre-backward on the outputs "
+    "(handout 05b §3)\n"
+    "            _uninstall(unit)\n")
+_PREFETCH_BACKWARD = "            self._prefetch(unit, reverse=True)\n"
+_PRE_BACKWARD_TO_GRAD_HOOK = (
+    "            self._wait_unshard(unit)\n            # END SOLUTION\n\n        return hook\n\n"
+    "    def _grad_hook(self, unit: _Unit, p: _Param) -> Callable:\n"
+    "        def hook(full: torch.Tensor) -> None:\n"
+    "            # BEGIN SOLUTION full.grad into grad_input; unit complete: reduce-scatter, free (handout 05b §5)\n"
+    "            _add_grad(unit, p, full.grad, self.world_size)\n            full.grad = None\n"
+    "            unit.grads_ready += 1\n            if unit.grads_ready == unit.trainable:\n"
+    "                unit.grads_ready = 0\n")
+
 MUTANTS = [
     # ------------------------------------------------------------------------------------------------ ZeRO-1
     Mutant("zero-owner-global-rank", "zero.py",
@@ -147,4 +167,35 @@ MUTANTS = [
            replace="                out[p.name] = padded.clone()\n",
            mistake="gather_full_params returns the padded full weights, zero rows included (§1, §6)",
            expect=r"gather_full_params"),
+    # -- issue 27: wrong FSDPs that passed every public test
+    Mutant("fsdp-forward-prefetch-after-compute", "fsdp.py",
+           find=_PREFETCH_FORWARD + _PRE_TO_POST_FORWARD,
+           replace=_PRE_TO_POST_FORWARD + "            self._prefetch(unit, reverse=False)\n",
+           mistake="issues the forward prefetch from the post-forward hook, once the unit has computed: the next "
+                   "gather overlaps nothing (§4)",
+           expect=r"issued after unit .* started computing"),
+    Mutant("fsdp-backward-prefetch-in-grad-hook", "fsdp.py",
+           find=_PREFETCH_BACKWARD + _PRE_BACKWARD_TO_GRAD_HOOK,
+           replace=_PRE_BACKWARD_TO_GRAD_HOOK + "                self._prefetch(unit, reverse=True)\n",
+           mistake="issues the backward prefetch from the gradient hook, just before the reduce-scatter: the unit's "
+                   "backward has computed, so the next gather overlaps nothing (§4)",
+           expect=r"backward started computing"),
+    Mutant("fsdp-accounting-peak-window-off-by-one", "fsdp.py",
+           find="else min(prefetch + 1, len(shard))",
+           replace="else min(prefetch, len(shard))",
+           mistake="fsdp_accounting's peak window holds prefetch units instead of prefetch + 1 (the one computing "
+                   "and the ones in flight) (§4, §7)",
+           expect=r"peak_gathered_bytes"),
+    Mutant("fsdp-reduce-scatters-never-capped", "fsdp.py",
+           find="        while len(self._reduce_scatters) > 2:  # bounds the fp32 full gradients alive during the "
+                "backward\n            self._finish_reduce_scatter(*self._reduce_scatters.pop(0))\n",
+           replace="",
+           mistake="never finishes a reduce-scatter before the end of the backward: every unit's full fp32 gradient "
+                   "stays alive until finish_gradient_synchronization (§5)",
+           expect=r"never capped"),
+    Mutant("fsdp-load-state-dict-shard-zero", "fsdp.py",
+           find="local[key] = take_shard(state_dict[key], self.world_size, self.rank)",
+           replace="local[key] = take_shard(state_dict[key], self.world_size, 0)",
+           mistake="load_state_dict keeps shard 0 of every full tensor on every rank (§6)",
+           expect=r"load_state_dict holds the rows"),
 ]
