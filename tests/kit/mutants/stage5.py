@@ -198,4 +198,74 @@ MUTANTS = [
            replace="local[key] = take_shard(state_dict[key], self.world_size, 0)",
            mistake="load_state_dict keeps shard 0 of every full tensor on every rank (§6)",
            expect=r"load_state_dict holds the rows"),
+    # -- tried as a student would, from the release (issue 27)
+    Mutant("fsdp-gather-buffer-param-dtype", "fsdp.py",
+           find="        unit.gather_output = torch.empty(self.world_size * unit.shard_numel, dtype=dtype, "
+                "device=flat.device)\n",
+           replace="        unit.gather_output = torch.empty(self.world_size * unit.shard_numel, "
+                   "dtype=unit.params[0].param.dtype, device=flat.device)\n",
+           mistake="allocates the all-gather's output in the parameters' dtype: with a 16-bit compute dtype the "
+                   "collective gets tensors of two dtypes and fails (bf16 and fp16 only) (§3, §8)",
+           expect=r"bf16|bfloat16|float16|dtype"),
+    Mutant("fsdp-full-grad-not-cleared", "fsdp.py",
+           find="            _add_grad(unit, p, full.grad, self.world_size)\n            full.grad = None\n",
+           replace="            _add_grad(unit, p, full.grad, self.world_size)\n",
+           mistake="never clears full.grad after copying it out: autograd adds every later step's gradient to it, "
+                   "so from step 2 on the reduce-scatter carries the sum of all steps (§5)",
+           expect=r"single-process|single process"),
+    Mutant("fsdp-grad-input-kept", "fsdp.py",
+           find="        work.wait()\n        unit.grad_input = None\n",
+           replace="        work.wait()\n        unit.grad_input.zero_()\n",
+           mistake="keeps each unit's full fp32 gradient buffer between steps (zeroed instead of dropped): the "
+                   "numbers are right, the memory FSDP exists to save is not (§5)",
+           expect=r"still alive after finish_gradient_synchronization"),
+    Mutant("fsdp-gather-full-params-compute-dtype", "fsdp.py",
+           find="            flat = torch.cat([p.param.detach().reshape(-1) for p in unit.params])\n",
+           replace="            flat = torch.cat([p.param.detach().reshape(-1) for p in unit.params]).to(self.compute_dtype "
+                   "or torch.float32)\n",
+           mistake="gather_full_params gathers in the compute dtype: with bf16 the full parameters come back rounded "
+                   "to bf16 (§6)",
+           expect=r"bfloat16|float16|gather_full_params"),
+    Mutant("fsdp-accounting-peak-shard-bytes", "fsdp.py",
+           find="for i in range(len(shard) - window + 1)), default=0) * n",
+           replace="for i in range(len(shard) - window + 1)), default=0)",
+           mistake="fsdp_accounting's peak counts the units' shards, not their gathered (N times larger, padded) "
+                   "full weights (§7)",
+           expect=r"peak_gathered_bytes"),
+    Mutant("fsdp-prefetch-before-own-gather", "fsdp.py",
+           find="            self._unshard(unit)  # first, so it is issued before the prefetches\n"
+                "            self._prefetch(unit, reverse=False)\n",
+           replace="            self._prefetch(unit, reverse=False)\n            self._unshard(unit)\n",
+           mistake="issues the prefetches before the unit's own all-gather: on the first unit the gathers go out of "
+                   "order (the next unit first) (§4)",
+           expect=r"all-gather of the forward, in order|gathered j-th"),
+    Mutant("fsdp-prefetch-waits-at-once", "fsdp.py",
+           find="        for nxt in order[i + 1 : i + 1 + self.prefetch]:\n            self._unshard(nxt)\n",
+           replace="        for nxt in order[i + 1 : i + 1 + self.prefetch]:\n            self._wait_unshard(nxt)\n",
+           mistake="prefetches by gathering the next unit and waiting for it at once: the gather is on the critical "
+                   "path again (§4)",
+           expect=r"waited on before .* started computing"),
+    Mutant("fsdp-gather-buffer-kept", "fsdp.py",
+           find="        unit.gather_work, unit.gather_output = None, None\n",
+           replace="        unit.gather_work = None\n",
+           mistake="keeps each unit's all-gather buffer after copying it into the full weights: every unit's "
+                   "gathered weights stay alive (§3)",
+           expect=r"units' gathered weights were alive at once"),
+    Mutant("fsdp-load-state-dict-global-rank", "fsdp.py",
+           find="local[key] = take_shard(state_dict[key], self.world_size, self.rank)",
+           replace="local[key] = take_shard(state_dict[key], self.world_size, dist.get_rank())",
+           mistake="load_state_dict cuts the shard of the global rank, not the rank in the process group (§2, §6)",
+           expect=r"rank 2|load_state_dict"),
+    Mutant("fsdp-no-sync-not-restored-on-exception", "fsdp.py",
+           find="        try:\n            yield\n        finally:\n            self.require_backward_grad_sync = previous\n",
+           replace="        yield\n        self.require_backward_grad_sync = previous\n",
+           mistake="no_sync restores the setting only on a normal exit: a micro-batch that fails inside leaves "
+                   "gradient synchronisation off for good (§6)",
+           expect=r"try/finally"),
+    Mutant("fsdp-divide-before-wait", "fsdp.py",
+           find="        work.wait()\n        unit.grad_input = None\n        output.div_(self.world_size)\n",
+           replace="        output.div_(self.world_size)\n        work.wait()\n        unit.grad_input = None\n",
+           mistake="divides the reduce-scatter's output by N before waiting for it: the collective then overwrites "
+                   "it with the sum (§5)",
+           expect=r"single-process|single process"),
 ]
