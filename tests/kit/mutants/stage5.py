@@ -221,8 +221,8 @@ MUTANTS = [
            expect=r"still alive after finish_gradient_synchronization"),
     Mutant("fsdp-gather-full-params-compute-dtype", "fsdp.py",
            find="            flat = torch.cat([p.param.detach().reshape(-1) for p in unit.params])\n",
-           replace="            flat = torch.cat([p.param.detach().reshape(-1) for p in unit.params]).to(self.compute_dtype "
-                   "or torch.float32)\n",
+           replace="            flat = torch.cat([p.param.detach().reshape(-1) for p in unit.params])"
+                   ".to(self.compute_dtype or torch.float32)\n",
            mistake="gather_full_params gathers in the compute dtype: with bf16 the full parameters come back rounded "
                    "to bf16 (§6)",
            expect=r"bfloat16|float16|gather_full_params"),
@@ -255,9 +255,10 @@ MUTANTS = [
            find="local[key] = take_shard(state_dict[key], self.world_size, self.rank)",
            replace="local[key] = take_shard(state_dict[key], self.world_size, dist.get_rank())",
            mistake="load_state_dict cuts the shard of the global rank, not the rank in the process group (§2, §6)",
-           expect=r"rank 2|load_state_dict"),
+           expect=r"holds the rows|load_state_dict raised"),
     Mutant("fsdp-no-sync-not-restored-on-exception", "fsdp.py",
-           find="        try:\n            yield\n        finally:\n            self.require_backward_grad_sync = previous\n",
+           find="        try:\n            yield\n        finally:\n"
+                "            self.require_backward_grad_sync = previous\n",
            replace="        yield\n        self.require_backward_grad_sync = previous\n",
            mistake="no_sync restores the setting only on a normal exit: a micro-batch that fails inside leaves "
                    "gradient synchronisation off for good (§6)",
