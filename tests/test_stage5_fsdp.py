@@ -3,9 +3,13 @@
 The ranks train FSDP and observe it; this process (the judge) computes what they must have found and
 compares. The observations, returned as data by the ranks:
 
-* the full parameters after training (``gather_full_params()``), its state dict, its shards' shapes;
-* the memory FSDP really holds, traced storage by storage with a dispatch mode (:class:`GatheredTracker`);
-* the collectives it really issues, recorded by ``kit.comm_log`` during a real step (``CommLog.as_data()``).
+* the full parameters after training (``gather_full_params()``), its state dict, its shards' shapes (after
+  construction and right after ``load_state_dict``);
+* the memory FSDP really holds, traced storage by storage with dispatch modes: the units' gathered weights
+  (:class:`GatheredTracker`) and the full gradients handed to reduce-scatters (:class:`ReduceScatterTracker`);
+* the collectives it really issues, recorded by ``kit.comm_log`` during a real step (``CommLog.as_data()``),
+  between marks of each unit's forward and of where each unit's own computation starts, forward and
+  backward (:class:`ComputeMarks`: the test's observation of the unit's first matrix product, not FSDP's).
 
 The independent references, computed here with one thread as every rank has (so the kernels are the same,
 and "bit for bit" means it; ``tests/support/fsdp.py``):
