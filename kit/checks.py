@@ -25,8 +25,8 @@ test module may run several checks in one spawn and each test reads its own::
 
     ranks = spawned_checks(_rank_checks, world_size=2, timeout=90)   # a module-scoped pytest fixture
 
-    def test_forward(ranks):
-        for rank, value in enumerate(ranks.values("forward")):   # spawns on first use, once per module
+    def test_forward(ranks):                  # spawned in the setup of the first test using it, once per module
+        for rank, value in enumerate(ranks.values("forward")):
             assert_close(value, expected, name=f"rank {rank}: output", section="handout 06 §2")
 
 ``values(name)`` returns the check's value on each rank, or re-raises the failure of the rank that failed
@@ -250,7 +250,8 @@ class Worker:
 
 
 class SpawnedChecks:
-    """One spawn of ``fn`` (which returns :func:`run_checks`' result), run on first use and cached."""
+    """One spawn of ``fn`` (which returns :func:`run_checks`' result), run once and cached: by :meth:`start` (the
+    fixture of :func:`spawned_checks` calls it) or else at the first :meth:`values`."""
 
     def __init__(self, fn: Callable[..., dict], world_size: int, *, args: tuple | Callable[[], tuple] = (),
                  timeout: float = 120.0, backend: str | None = "gloo") -> None:
@@ -273,6 +274,13 @@ class SpawnedChecks:
             except (RankFailedError, RankTimeoutError, TypeError) as exc:  # keep what finished, explain the rest
                 self._error = exc
         return self._outcomes
+
+    def start(self) -> None:
+        """Spawn now (once). What fails here fails again, the same way, in :meth:`values`."""
+        try:
+            self._run()
+        except Exception:  # noqa: BLE001 — values() raises it where a test can report it
+            pass
 
     def failure(self, name: str) -> Failure | None:
         """The first failure of check ``name`` on any rank, or of the spawn that cut it short; ``None`` if it passed."""
@@ -333,6 +341,11 @@ def spawned_checks(fn: Callable[..., dict], world_size: int, *, args: tuple | Ca
 
     Assign it to the fixture's name: ``ranks8 = spawned_checks(_rank_fn, 8, timeout=110)``. ``args`` is a
     tuple, or a function of other fixtures (named by its parameters) returning one, evaluated at spawn time.
+
+    The ranks are spawned when the fixture is set up, i.e. in the setup of the first test that uses it, never
+    in a test's call: the grader charges a file's largest setup to every test of the file
+    (``kit/grading/timings.py``), so whichever test comes first — the reference's first, or a later one when
+    an earlier test failed before reaching the fixture — has the spawn's CPU in its budget.
     """
     import pytest
 
@@ -342,7 +355,9 @@ def spawned_checks(fn: Callable[..., dict], world_size: int, *, args: tuple | Ca
     def fixture(request: Any) -> SpawnedChecks:
         deps = {n: request.getfixturevalue(n) for n in needs}
         bound = (lambda: args(**deps)) if callable(args) else args
-        return SpawnedChecks(fn, world_size, args=bound, timeout=timeout, backend=backend)
+        checks = SpawnedChecks(fn, world_size, args=bound, timeout=timeout, backend=backend)
+        checks.start()
+        return checks
 
     return fixture
 

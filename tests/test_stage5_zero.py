@@ -411,7 +411,7 @@ def trainable(kind: str) -> list[str]:
 
 
 # ----------------------------------------------------------------------------------------------------
-# The spawns: module-scoped fixtures, each run once, on first use
+# The spawns: module-scoped fixtures, each run once, in the setup of the first test that uses it
 # ----------------------------------------------------------------------------------------------------
 
 two_ranks = spawned_checks(two_rank_checks, 2, timeout=TIMEOUT, args=lambda: (adamw_checkpoint(),))

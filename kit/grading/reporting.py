@@ -40,13 +40,16 @@ def gradescope_json(result: GradeResult, extra: dict | None = None) -> dict:
 
 
 _NOT_IMPLEMENTED = re.compile(r"NotImplementedError: (.+)")
+# A check that depends on another's result quotes that failure after this line (kit.checks.Failure.reraise).
+_BECAUSE = re.compile(r"because that failed:\s*\n(?:E\s+)?(.+)")
 _ASSERTION = re.compile(r"^E\s+(?:AssertionError: )?(.+)$", re.M)
 
 
 def _first_problem(t: TestResult) -> str:
     m = _NOT_IMPLEMENTED.search(t.output)
     if m:
-        return "implement " + m.group(1).strip()
+        cause = _BECAUSE.search(t.output, m.start()) if m.group(1).rstrip().endswith("because that failed:") else None
+        return "implement " + (cause or m).group(1).strip()
     m = _ASSERTION.search(t.output)
     if m:  # without the harness's own exception class: what the student reads is the worker's error
         return re.sub(r"^(?:kit\.checks\.RankCheckError|kit\.spawn\.Rank\w+Error): ", "", m.group(1).strip())[:200]

@@ -66,7 +66,7 @@ def _stub_before_the_checks() -> dict:
     return run_checks({"never_ran": lambda: 1})
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture(autouse=True, scope="module")
 def _short_idle_limit():
     # The hang at the end of _many_checks costs the idle limit: 5 s here instead of the default 30.
     previous = parent.set_allowance(parent.Allowance(idle=5.0))
@@ -74,9 +74,21 @@ def _short_idle_limit():
     parent.set_allowance(previous)
 
 
+def _clock() -> dict:
+    return run_checks({"now": time.monotonic})
+
+
 many = spawned_checks(_many_checks, 2, timeout=120)
+clock = spawned_checks(_clock, 2, timeout=60)
 stub_first = spawned_checks(_stub_before_the_checks, 2, timeout=60)
 dependent = spawned_checks(_resumes, 2, args=lambda many: (many.value_or_failure("stub", rank=0),), timeout=60)
+
+
+def test_the_spawn_is_the_setup_of_the_first_test_using_it(clock) -> None:
+    """Never in a test's call: the grader charges a file's largest setup to each of its tests, whichever comes
+    first (kit/grading/timings.py)."""
+    called = time.monotonic()
+    assert all(now < called for now in clock.values("now")), "the ranks ran after the test's call began"
 
 
 def test_values_by_rank_and_later_checks_still_run(many) -> None:

@@ -151,3 +151,23 @@ def test_doctor_says_what_a_grading_machine_lacks(monkeypatch):
     monkeypatch.setattr(doctor, "available_memory_gib", lambda: 6.0)
     monkeypatch.setattr(confine, "landlock_abi", lambda: 7)
     assert doctor.grader_floor() == [] and "meets the grader's recommendation" in doctor.grader_report()
+
+
+def test_what_to_work_on_names_the_stub_behind_a_dependent_check():
+    """A check that could not run because another failed (Failure.reraise) is grouped under that failure's stub,
+    not under its own "because that failed:" sentence."""
+    from kit.grading import reporting
+    from kit.grading.scoring import GradeResult, TestResult
+
+    output = ("tests/test_stage5_zero.py:759: in test_resume_at_three_ranks_from_two\n"
+              "E   NotImplementedError: no checkpoint to resume from: the 2-rank run saves it, because that failed:\n"
+              "E   ShardedOptimizer.__init__: build local_optimizer (handout 05 §2)\n"
+              "E   (rank 0, check 'checkpoint')\n")
+    stub = "E   NotImplementedError: ShardedOptimizer.__init__: build local_optimizer (handout 05 §2)\n"
+    tests = [TestResult("tests/test_stage5_zero.py::test_a", 5, 1.0, False, output=stub),
+             TestResult("tests/test_stage5_zero.py::test_resume", 5, 1.0, False, output=output)]
+    table = reporting.format_table(GradeResult(submission="s", tests=tests))
+    grouped = ("implement ShardedOptimizer.__init__: build local_optimizer (handout 05 §2)\n"
+               "      failing: test_a (+1 more)")
+    assert grouped in table, table
+    assert "because that failed" not in table, table

@@ -233,10 +233,11 @@ def fsdp_train(impl: Any, kind: str, optimizer: str, *, steps: int = STEPS, grou
 
 
 # ----------------------------------------------------------------------------------------------------
-# Memory: which storages hold gathered weights, and how many units are alive at once
+# Memory: which storages hold gathered weights or full gradients, and how many units' are alive at once
 # ----------------------------------------------------------------------------------------------------
 
 _GATHERS = {"allgather_", "_allgather_base_", "allgather_into_tensor_coalesced_", "allgather_coalesced_"}
+_REDUCE_SCATTERS = {"reduce_scatter_", "_reduce_scatter_base_", "reduce_scatter_tensor_coalesced_"}
 # Ops that move data from one tensor into another without computing with it: a copy of a gathered
 # weight is a gathered weight. (Views share the storage and need no rule.)
 _COPIES = {"copy_", "copy", "_to_copy", "clone", "cat", "stack", "narrow_copy", "slice_copy", "split_with_sizes_copy",
@@ -251,19 +252,21 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     return []
 
 
-class GatheredTracker(TorchDispatchMode):
-    """Counts the units whose gathered weights are alive, at every op, whoever allocates them.
+class SourceTracker(TorchDispatchMode):
+    """Counts the *sources* whose storages are alive, at every op, whoever allocates them.
 
-    Every storage an all-gather writes is tagged with that all-gather (a *source*); a storage an op
-    copies tagged data into inherits the tags. At every op, a tagged storage still alive and not
-    resized to zero holds its sources' weights; ``peak`` is the most distinct sources alive at once
-    (the units being gathered or gathered, a unit's all-gather being one source). Storages are held
-    weakly, so dropping a tensor or freeing its storage (``untyped_storage().resize_(0)``) both count.
+    A source is one collective's tensors of interest (:meth:`new_source` says which, for which ops): every
+    storage among them is tagged with that source, and with :attr:`follow_copies` a storage an op copies
+    tagged data into inherits the tags. At every op, a tagged storage still alive and not resized to zero
+    holds its sources' data; ``peak`` is the most distinct sources alive at once. Storages are held weakly,
+    so dropping a tensor or freeing its storage (``untyped_storage().resize_(0)``) both count.
 
-    A backend may hold a collective's output for a moment after ``wait()`` returns (gloo's worker thread
-    drops it once it gets the GIL). So a count above ``limit`` is only believed if it persists while
+    A backend may hold a collective's tensors for a moment after ``wait()`` returns (gloo's worker thread
+    drops them once it gets the GIL). So a count above ``limit`` is only believed if it persists while
     this thread sleeps for up to 0.25 s; after one such confirmed excess, no more waiting.
     """
+
+    follow_copies = False
 
     def __init__(self, limit: int | None = None) -> None:
         super().__init__()
@@ -275,6 +278,10 @@ class GatheredTracker(TorchDispatchMode):
         self.sources = 0
         self.peak = 0
         self.counting = True
+
+    def new_source(self, func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+        """The tensors that make up a new source if ``func`` starts one (else ``[]``)."""
+        raise NotImplementedError
 
     def _key(self, t: torch.Tensor) -> int | None:
         try:
@@ -296,7 +303,7 @@ class GatheredTracker(TorchDispatchMode):
                 continue
             storage = torch.UntypedStorage._new_with_weak_ptr(ref.cdata)
             if storage is None or storage.nbytes() == 0:
-                sources.clear()  # freed: what is copied in later is a new gather
+                sources.clear()  # freed: what is copied in later is a new source
             else:
                 alive |= sources
         return alive
@@ -305,11 +312,12 @@ class GatheredTracker(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         name = func.__name__.split(".")[0] if hasattr(func, "__name__") else str(func)
-        if func.namespace == "c10d" and func._opname in _GATHERS:
+        tensors = self.new_source(func, args, kwargs)
+        if tensors:
             self.sources += 1
-            for t in _tensors(args[0]):
+            for t in tensors:
                 self._tag(t, {self.sources})
-        elif name in _COPIES:
+        elif self.follow_copies and name in _COPIES:
             inputs = _tensors(list(args[1:]) if name.endswith("_") else list(args)) + _tensors(list(kwargs.values()))
             sources = set().union(*(self.tags.get(self._key(t), (None, set()))[1] for t in inputs)) if inputs else set()
             if sources:
@@ -324,6 +332,32 @@ class GatheredTracker(TorchDispatchMode):
             self.confirmed |= self.limit is not None and count > self.limit
             self.peak = max(self.peak, count)
         return out
+
+
+class GatheredTracker(SourceTracker):
+    """Counts the units whose gathered weights are alive: a source is one all-gather's output, and a copy of
+    a gathered weight is a gathered weight (the units being gathered or gathered, a unit's all-gather being
+    one source)."""
+
+    follow_copies = True
+
+    def new_source(self, func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+        if func.namespace == "c10d" and func._opname in _GATHERS:
+            return _tensors(args[0])
+        return []
+
+
+class ReduceScatterTracker(SourceTracker):
+    """Counts the full gradients handed to reduce-scatters that are still alive: a source is one
+    reduce-scatter's input (the unit's whole padded gradient, fp32), alive until the collective is finished
+    and the last reference to it dropped."""
+
+    def new_source(self, func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+        if func.namespace == "c10d" and func._opname in _REDUCE_SCATTERS:
+            return _tensors(args[1] if len(args) > 1 else kwargs.get("input_tensor", kwargs.get("inputs")))
+        if func.namespace == "_c10d_functional" and func._opname.startswith("reduce_scatter_tensor"):
+            return _tensors(args[0] if args else kwargs.get("input"))
+        return []
 
 
 class Members:
@@ -364,3 +398,11 @@ def compare(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], 
 def expected_shard_shape(shape: tuple[int, ...], world: int) -> tuple[int, ...]:
     return (math.ceil(shape[0] / world), *shape[1:])
 
+
+
+def shard_of(full: torch.Tensor, world: int, rank: int) -> torch.Tensor:
+    """In the judge: rank ``rank``'s dim-0 shard of ``full``, worked out from the spec (handout 05b §1)."""
+    rows = full.shape[0]
+    per_rank = math.ceil(rows / world)
+    padded = torch.cat([full, full.new_zeros((world * per_rank - rows, *full.shape[1:]))])
+    return padded[rank * per_rank : (rank + 1) * per_rank].clone()

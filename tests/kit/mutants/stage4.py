@@ -116,4 +116,37 @@ MUTANTS = [
            replace="    return 1e-3",
            mistake="returns a made-up constant instead of the measured time (§6)",
            expect="reported 0.0010"),
+    Mutant("bucketed-never-launches", "ddp.py",
+           find="        if self._ready_count[k] == len(self._bucket_params[k]):\n            self._launch_bucket(k)\n",
+           replace="        if self._ready_count[k] == self.bucket_numels[k]:\n            self._launch_bucket(k)\n",
+           mistake="the hook compares the ready count with the bucket's element count, so a bucket is never "
+                   "complete; with the reference's finish_gradient_synchronization the leftovers are launched there, "
+                   "after the backward: nothing overlaps (§4)",
+           expect="waited|overlap|launched"),
+    Mutant("bucketed-never-launches-nor-finishes", "ddp.py",
+           find="        if self._ready_count[k] == len(self._bucket_params[k]):\n            self._launch_bucket(k)\n"
+                "        # END SOLUTION\n\n    def on_train_batch_start(self) -> None:\n"
+                "        \"\"\"Reset the per-step state: no bucket launched, no gradient counted.\"\"\"\n"
+                "        # BEGIN SOLUTION reset the ready counts and the handles (handout 04 §4)\n"
+                "        self._ready_count = [0] * len(self._bucket_params)\n"
+                "        self._handles = [None] * len(self._bucket_params)\n        # END SOLUTION\n\n"
+                "    def finish_gradient_synchronization(self) -> None:\n        if not self._sync_this_step:\n"
+                "            return\n"
+                "        # BEGIN SOLUTION launch leftovers, wait, average, copy back, reset (handout 04 §4)\n"
+                "        # Buckets whose parameters did not all get a gradient never launched: launch them now, in "
+                "bucket\n        # order, which is the same on every rank because every rank runs the same graph.\n"
+                "        for k, handle in enumerate(self._handles):\n            if handle is None:\n"
+                "                self._launch_bucket(k)\n        for k, handle in enumerate(self._handles):\n"
+                "            handle.wait()\n",
+           replace="        if self._ready_count[k] == self.bucket_numels[k]:\n            self._launch_bucket(k)\n"
+                   "        # END SOLUTION\n\n    def on_train_batch_start(self) -> None:\n"
+                   "        self._ready_count = [0] * len(self._bucket_params)\n"
+                   "        self._handles = [None] * len(self._bucket_params)\n\n"
+                   "    def finish_gradient_synchronization(self) -> None:\n        if not self._sync_this_step:\n"
+                   "            return\n        for k, handle in enumerate(self._handles):\n"
+                   "            if handle is None:\n                continue\n            handle.wait()\n",
+           mistake="no bucket is ever launched: the hook compares the ready count with the bucket's element count, "
+                   "and finish_gradient_synchronization waits only on the buckets the hooks launched, so nothing is "
+                   "reduced; the no_sync test must not blame no_sync for it (§4)",
+           expect="no bucket was launched"),
 ]

@@ -3,6 +3,26 @@ points at it. ZeRO-1 (zero.py) first, then FSDP (fsdp.py)."""
 
 from instructor.mutants import Mutant
 
+# Two mistakes move a line of one hook into the next hook: the text from the first to the second.
+_PREFETCH_FORWARD = "            self._prefetch(unit, reverse=False)\n"
+_PRE_TO_POST_FORWARD = (
+    "            self._wait_unshard(unit)\n            _install(unit)\n            # END SOLUTION\n"
+    "            return _cast_floats(args, self.compute_dtype)\n\n        return hook\n\n"
+    "    def _post_forward_hook(self, unit: _Unit) -> Callable:\n"
+    "        def hook(module: nn.Module, args: tuple, output: Any) -> None:\n"
+    "            # BEGIN SOLUTION uninstall, free if resharding, hook the pre-backward on the outputs "
+    "(handout 05b §3)\n"
+    "            _uninstall(unit)\n")
+_PREFETCH_BACKWARD = "            self._prefetch(unit, reverse=True)\n"
+_PRE_BACKWARD_TO_GRAD_HOOK = (
+    "            self._wait_unshard(unit)\n            # END SOLUTION\n\n        return hook\n\n"
+    "    def _grad_hook(self, unit: _Unit, p: _Param) -> Callable:\n"
+    "        def hook(full: torch.Tensor) -> None:\n"
+    "            # BEGIN SOLUTION full.grad into grad_input; unit complete: reduce-scatter, free (handout 05b §5)\n"
+    "            _add_grad(unit, p, full.grad, self.world_size)\n            full.grad = None\n"
+    "            unit.grads_ready += 1\n            if unit.grads_ready == unit.trainable:\n"
+    "                unit.grads_ready = 0\n")
+
 MUTANTS = [
     # ------------------------------------------------------------------------------------------------ ZeRO-1
     Mutant("zero-owner-global-rank", "zero.py",
@@ -147,4 +167,106 @@ MUTANTS = [
            replace="                out[p.name] = padded.clone()\n",
            mistake="gather_full_params returns the padded full weights, zero rows included (§1, §6)",
            expect=r"gather_full_params"),
+    # -- issue 27: wrong FSDPs that passed every public test
+    Mutant("fsdp-forward-prefetch-after-compute", "fsdp.py",
+           find=_PREFETCH_FORWARD + _PRE_TO_POST_FORWARD,
+           replace=_PRE_TO_POST_FORWARD + "            self._prefetch(unit, reverse=False)\n",
+           mistake="issues the forward prefetch from the post-forward hook, once the unit has computed: the next "
+                   "gather overlaps nothing (§4)",
+           expect=r"issued after unit .* started computing"),
+    Mutant("fsdp-backward-prefetch-in-grad-hook", "fsdp.py",
+           find=_PREFETCH_BACKWARD + _PRE_BACKWARD_TO_GRAD_HOOK,
+           replace=_PRE_BACKWARD_TO_GRAD_HOOK + "                self._prefetch(unit, reverse=True)\n",
+           mistake="issues the backward prefetch from the gradient hook, just before the reduce-scatter: the unit's "
+                   "backward has computed, so the next gather overlaps nothing (§4)",
+           expect=r"backward started computing"),
+    Mutant("fsdp-accounting-peak-window-off-by-one", "fsdp.py",
+           find="else min(prefetch + 1, len(shard))",
+           replace="else min(prefetch, len(shard))",
+           mistake="fsdp_accounting's peak window holds prefetch units instead of prefetch + 1 (the one computing "
+                   "and the ones in flight) (§4, §7)",
+           expect=r"peak_gathered_bytes"),
+    Mutant("fsdp-reduce-scatters-never-capped", "fsdp.py",
+           find="        while len(self._reduce_scatters) > 2:  # bounds the fp32 full gradients alive during the "
+                "backward\n            self._finish_reduce_scatter(*self._reduce_scatters.pop(0))\n",
+           replace="",
+           mistake="never finishes a reduce-scatter before the end of the backward: every unit's full fp32 gradient "
+                   "stays alive until finish_gradient_synchronization (§5)",
+           expect=r"never capped"),
+    Mutant("fsdp-load-state-dict-shard-zero", "fsdp.py",
+           find="local[key] = take_shard(state_dict[key], self.world_size, self.rank)",
+           replace="local[key] = take_shard(state_dict[key], self.world_size, 0)",
+           mistake="load_state_dict keeps shard 0 of every full tensor on every rank (§6)",
+           expect=r"load_state_dict holds the rows"),
+    # -- tried as a student would, from the release (issue 27)
+    Mutant("fsdp-gather-buffer-param-dtype", "fsdp.py",
+           find="        unit.gather_output = torch.empty(self.world_size * unit.shard_numel, dtype=dtype, "
+                "device=flat.device)\n",
+           replace="        unit.gather_output = torch.empty(self.world_size * unit.shard_numel, "
+                   "dtype=unit.params[0].param.dtype, device=flat.device)\n",
+           mistake="allocates the all-gather's output in the parameters' dtype: with a 16-bit compute dtype the "
+                   "collective gets tensors of two dtypes and fails (bf16 and fp16 only) (§3, §8)",
+           expect=r"bf16|bfloat16|float16|dtype"),
+    Mutant("fsdp-full-grad-not-cleared", "fsdp.py",
+           find="            _add_grad(unit, p, full.grad, self.world_size)\n            full.grad = None\n",
+           replace="            _add_grad(unit, p, full.grad, self.world_size)\n",
+           mistake="never clears full.grad after copying it out: autograd adds every later step's gradient to it, "
+                   "so from step 2 on the reduce-scatter carries the sum of all steps (§5)",
+           expect=r"single-process|single process"),
+    Mutant("fsdp-grad-input-kept", "fsdp.py",
+           find="        work.wait()\n        unit.grad_input = None\n",
+           replace="        work.wait()\n        unit.grad_input.zero_()\n",
+           mistake="keeps each unit's full fp32 gradient buffer between steps (zeroed instead of dropped): the "
+                   "numbers are right, the memory FSDP exists to save is not (§5)",
+           expect=r"still alive after finish_gradient_synchronization"),
+    Mutant("fsdp-gather-full-params-compute-dtype", "fsdp.py",
+           find="            flat = torch.cat([p.param.detach().reshape(-1) for p in unit.params])\n",
+           replace="            flat = torch.cat([p.param.detach().reshape(-1) for p in unit.params])"
+                   ".to(self.compute_dtype or torch.float32)\n",
+           mistake="gather_full_params gathers in the compute dtype: with bf16 the full parameters come back rounded "
+                   "to bf16 (§6)",
+           expect=r"bfloat16|float16|gather_full_params"),
+    Mutant("fsdp-accounting-peak-shard-bytes", "fsdp.py",
+           find="for i in range(len(shard) - window + 1)), default=0) * n",
+           replace="for i in range(len(shard) - window + 1)), default=0)",
+           mistake="fsdp_accounting's peak counts the units' shards, not their gathered (N times larger, padded) "
+                   "full weights (§7)",
+           expect=r"peak_gathered_bytes"),
+    Mutant("fsdp-prefetch-before-own-gather", "fsdp.py",
+           find="            self._unshard(unit)  # first, so it is issued before the prefetches\n"
+                "            self._prefetch(unit, reverse=False)\n",
+           replace="            self._prefetch(unit, reverse=False)\n            self._unshard(unit)\n",
+           mistake="issues the prefetches before the unit's own all-gather: on the first unit the gathers go out of "
+                   "order (the next unit first) (§4)",
+           expect=r"all-gather of the forward, in order|gathered j-th"),
+    Mutant("fsdp-prefetch-waits-at-once", "fsdp.py",
+           find="        for nxt in order[i + 1 : i + 1 + self.prefetch]:\n            self._unshard(nxt)\n",
+           replace="        for nxt in order[i + 1 : i + 1 + self.prefetch]:\n            self._wait_unshard(nxt)\n",
+           mistake="prefetches by gathering the next unit and waiting for it at once: the gather is on the critical "
+                   "path again (§4)",
+           expect=r"waited on before .* started computing"),
+    Mutant("fsdp-gather-buffer-kept", "fsdp.py",
+           find="        unit.gather_work, unit.gather_output = None, None\n",
+           replace="        unit.gather_work = None\n",
+           mistake="keeps each unit's all-gather buffer after copying it into the full weights: every unit's "
+                   "gathered weights stay alive (§3)",
+           expect=r"units' gathered weights were alive at once"),
+    Mutant("fsdp-load-state-dict-global-rank", "fsdp.py",
+           find="local[key] = take_shard(state_dict[key], self.world_size, self.rank)",
+           replace="local[key] = take_shard(state_dict[key], self.world_size, dist.get_rank())",
+           mistake="load_state_dict cuts the shard of the global rank, not the rank in the process group (§2, §6)",
+           expect=r"holds the rows|load_state_dict raised"),
+    Mutant("fsdp-no-sync-not-restored-on-exception", "fsdp.py",
+           find="        try:\n            yield\n        finally:\n"
+                "            self.require_backward_grad_sync = previous\n",
+           replace="        yield\n        self.require_backward_grad_sync = previous\n",
+           mistake="no_sync restores the setting only on a normal exit: a micro-batch that fails inside leaves "
+                   "gradient synchronisation off for good (§6)",
+           expect=r"try/finally"),
+    Mutant("fsdp-divide-before-wait", "fsdp.py",
+           find="        work.wait()\n        unit.grad_input = None\n        output.div_(self.world_size)\n",
+           replace="        output.div_(self.world_size)\n        work.wait()\n        unit.grad_input = None\n",
+           mistake="divides the reduce-scatter's output by N before waiting for it: the collective then overwrites "
+                   "it with the sum (§5)",
+           expect=r"single-process|single process"),
 ]
