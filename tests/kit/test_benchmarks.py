@@ -81,7 +81,7 @@ def test_bench_model_compile_compares_eager_and_compiled(tmp_path: Path) -> None
         if r["compile"] == "eager":
             assert r["speedup"] is None
         else:
-            assert r["speedup"] == pytest.approx(eager["mean_ms"] / r["mean_ms"])
+            assert r["speedup"] == pytest.approx(eager["median_ms"] / r["median_ms"])
 
 
 def test_benchmarks_have_no_path_hacks_and_return_their_rows() -> None:
@@ -268,6 +268,19 @@ def test_goal_rows_are_the_leaderboard_and_throughput_shapes() -> None:
     assert (thr["seq"], thr["d_head"], thr["causal"], thr["modes"]) == (16384, 128, False, ("forward",))
     cpu = Namespace(smoke=False, goals=False, compile_on_cpu=False, cpu_triton_max_seq=128)
     assert ba.skip_reason("sdpa", board, on_cuda=False, args=cpu).startswith("needs CUDA")
+
+
+def test_gpu_grid_reaches_naive_attentions_out_of_memory() -> None:
+    """Problem 3.6(a) asks where naive attention runs out of memory: the GPU grid must get there. At batch·heads
+    16 its forward alone holds 2N²·c + 2N² bytes per batch·head (scores and scaled scores, or masked scores and
+    probabilities, plus two boolean masks): > 80 GB at N = 32768 even in bf16, < 80 GB at 16384 even in fp32."""
+    from benchmarks import bench_attention as ba
+
+    grid = [c for c in ba.plan(Namespace(smoke=False, goals=False), on_cuda=True) if c["config"] == "grid"]
+    assert {c["batch"] * c["heads"] for c in grid} == {16}
+    seqs = sorted({c["seq"] for c in grid})
+    forward_peak = {c: lambda n, c=c: 16 * (2 * n * n * c + 2 * n * n) for c in (2, 4)}
+    assert forward_peak[2](seqs[-1]) > 80e9 and forward_peak[4](seqs[-2]) < 80e9, seqs
 
 
 def _goal_rows(sdpa_status: str = "ok") -> list[dict]:
