@@ -152,13 +152,15 @@ def precision_configs() -> list[tuple[str, int]]:
 
 def precision_ratio_table() -> str:
     lines = ["| preset | context | fp32 saved MiB | bf16 saved MiB | bf16 / fp32 | bf16 weight copies MiB | "
-             "bf16 linear inputs MiB (per layer) | fp32 linear inputs MiB (per layer) |", "|---|---|---|---|---|---|---|---|"]
+             "bf16 linear inputs MiB (per layer) | fp32 linear inputs MiB (per layer) |",
+             "|---|---|---|---|---|---|---|---|"]
     for preset, context in precision_configs():
         batch = precision_row(preset, context, "fp32")["batch"]
         e16 = precision.activation_memory_estimate(preset, batch, context, "bf16", device_type="cpu")
         e32 = precision.activation_memory_estimate(preset, batch, context, "fp32", device_type="cpu")
         lines.append(f"| {preset} | {context} | {precision_row(preset, context, 'fp32')['saved_MiB']:.2f} | "
-                     f"{precision_row(preset, context, 'bf16')['saved_MiB']:.2f} | {precision_ratio(preset, context):.2f} | "
+                     f"{precision_row(preset, context, 'bf16')['saved_MiB']:.2f} | "
+                     f"{precision_ratio(preset, context):.2f} | "
                      f"{e16['weight_copies'] / 2**20:.2f} | {e16['per_layer']['linear inputs'] / 2**20:.3f} | "
                      f"{e32['per_layer']['linear inputs'] / 2**20:.3f} |")
     return "\n".join(lines)

@@ -39,7 +39,7 @@ def ok_rows() -> list[dict]:
 
 # ------------------------------------------------------------------------------------------ naive attention's peak
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def naive_peak_per_nn(dtype: str = "fp32", mode: str = "forward", n: int = 256, d: int = 64) -> float:
     """Peak bytes `kit.model.naive_attention` (causal) adds on top of its inputs, per N² and per batch·head,
     measured by torch.profiler's memory timeline on this CPU (exact byte counts) at a small N. The O(N·D) terms

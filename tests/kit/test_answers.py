@@ -103,3 +103,257 @@ def test_a_changed_formula_changes_the_key(monkeypatch, rendered, patch, chapter
 def test_command_line_writes_the_key(tmp_path):
     assert answers.main(["--stage", "4", "--out", str(tmp_path)]) == 0
     assert (tmp_path / "ch04.md").exists() and not (tmp_path / "ch01.md").exists()
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Numbers the second derivation (issue 28) found wrong: each is recomputed here, independently of the key's helpers,
+# and compared with what the rendered key prints.
+# ------------------------------------------------------------------------------------------------------------------
+
+def _section(rendered: dict[str, str], key: str, number: str) -> str:
+    parts = answers.SECTION.split(rendered[key])
+    sections = dict(zip(parts[1::2], parts[2::2], strict=True))
+    assert number in sections, f"{key} has no section {number}"
+    return sections[number]
+
+
+def _results(name: str) -> list[dict]:
+    import json
+
+    return json.loads((answers.ROOT / "benchmarks" / "results" / f"{name}.json").read_text())["rows"]
+
+
+def _params(preset: str) -> int:
+    import torch
+
+    from kit.model import TransformerLM, get_config
+
+    with torch.device("meta"):
+        return sum(p.numel() for p in TransformerLM(get_config(preset)).parameters())
+
+
+def test_adamw_bytes_per_parameter_are_traced(rendered):
+    """1.5(a), 1.7: AdamW moves 28 B per parameter fused and 80 B with torch's foreach implementation, not ~16. The
+    foreach count is traced here: every aten op of one foreach AdamW step, bytes of its tensor inputs and outputs."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Traffic(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.bytes = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+
+            def tensors(x):
+                if isinstance(x, torch.Tensor):
+                    yield x
+                elif isinstance(x, list | tuple):
+                    for y in x:
+                        yield from tensors(y)
+
+            big = lambda t: t.numel() > 1  # the step counters and scalar factors are not per-parameter traffic
+            reads = {id(t): t for a in args for t in tensors(a) if big(t)}
+            writes = list(tensors(out)) if not func._schema.name.endswith("_") else list(tensors(args[0]))
+            self.bytes += sum(t.nbytes for t in reads.values()) + sum(t.nbytes for t in writes if big(t))
+            return out
+
+    params = [torch.nn.Parameter(torch.randn(1000)) for _ in range(3)]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt = torch.optim.AdamW(params, foreach=True)
+    opt.step()  # the first step allocates the state; trace the second
+    with Traffic() as traffic:
+        opt.step()
+    per_param = traffic.bytes / 3000
+    # addcmul_(v, g, g) hands g in twice but reads it once: inputs are counted once per tensor.
+    assert per_param == 80, per_param
+    section = _section(rendered, "ch01", "1.5")
+    assert "**28 bytes\nper fp32 parameter**" in section or "**28 bytes per fp32 parameter**" in section
+    assert "| **total** | | | **80** |" in section
+    assert f"{80 * _params('small') / 1e9:.1f} GB per step with `foreach`" in section
+    assert "~16 bytes" not in rendered["ch01"] and "costs a few percent" not in section
+
+
+def test_gemm_invocations_follow_the_layers(rendered):
+    """1.5(c): one forward of `small` issues one GEMM per nn.Linear, counted here on the model."""
+    import torch
+
+    from kit.model import TransformerLM, get_config
+
+    with torch.device("meta"):
+        linears = sum(isinstance(m, torch.nn.Linear) for m in TransformerLM(get_config("small")).modules())
+    section = _section(rendered, "ch01", "1.5")
+    flat = " ".join(section.split())
+    assert f"issues {linears} linear GEMMs" in flat and f"({2 * linears} in all" in flat
+
+
+def test_memory_timeline_key_reads_its_table(rendered):
+    """1.10: 4Ψ of the profiled model, and the peak phase of each step, from the committed rows."""
+    rows = _results("bench_memory")
+    section = _section(rendered, "ch01", "1.10")
+    psi = _params(rows[0]["preset"])
+    assert f"Ψ = {psi:,.0f} parameters: 4Ψ = {4 * psi / 2**20:.2f} MiB" in section
+    for step in (1, 2):
+        peak = max((r for r in rows if r["step"] == step), key=lambda r: r["total_MiB"])
+        assert f"**{peak['phase'].replace('_', ' ')}**" in section and f"({peak['total_MiB']:.2f} MiB)" in section
+    state = next(r for r in rows if r["step"] == 2 and r["phase"] == "forward")["optimizer_state_MiB"]
+    assert 8 * psi / 2**20 <= state <= 8 * psi / 2**20 + 0.01, "AdamW's fp32 state is 8Ψ plus the step counters"
+
+
+def test_compile_speedups_are_the_tables(rendered):
+    """1.11: the key's speed-ups are eager's median over compiled's, from the committed rows."""
+    rows = _results("bench_model_compile")
+    section = _section(rendered, "ch01", "1.11")
+    for mode, words in (("forward", "compiled forward was"), ("forward_backward", "compiled forward+backward")):
+        eager = next(r for r in rows if r["mode"] == mode and r["compile"] == "eager")
+        comp = next(r for r in rows if r["mode"] == mode and r["compile"] != "eager")
+        assert f"{words} {eager['median_ms'] / comp['median_ms']:.2f}×" in " ".join(section.split())
+    assert "unmeasured" in section
+
+
+def test_fp16_limits_in_the_norm_and_range_answers(rendered):
+    """2.3: x² overflows fp16 above √65504; 1/√(var + ε) is bounded by 1/√1e-5. 2.4: 1e-6 and 1e-7 are subnormal."""
+    import math
+
+    import torch
+
+    norms = " ".join(_section(rendered, "ch02", "2.3").split())
+    assert f"|x| > {math.sqrt(65504):.1f}" in norms and f"≈ {1 / math.sqrt(1e-5):.0f}" in norms
+    assert "or overflows when var → 0" not in norms
+    ranges = " ".join(_section(rendered, "ch02", "2.4").split())
+    tiny = torch.finfo(torch.float16).tiny
+    for x in (1e-6, 1e-7):
+        stored = torch.tensor(x, dtype=torch.float16).item()
+        assert 0 < stored < tiny and f"{stored:.4e}" in ranges
+    assert "both as subnormals" in ranges
+
+
+def test_residual_stream_crossing_names_its_dtype(rendered):
+    """2.8.2: the softmax passes the MLP at T = 4·d_ff·c/(H·(4 + c)) in bf16 autocast on CUDA and 4·d_ff/H in fp32."""
+    from kit.model import get_config
+
+    xl = get_config("xl")
+    section = " ".join(_section(rendered, "ch02", "2.8").split())
+    assert f"= {4 * xl.d_ff * 2 / (xl.num_heads * 6):.0f} (the estimate" in section
+    assert f"T = 4·d_ff/H = {4 * xl.d_ff / xl.num_heads:.0f}" in section
+
+
+def _reversible(c: int, t: int, memo: dict = {}) -> int:  # noqa: B006 — a cache
+    """Longest chain reversed with c slots (its input counted) and t runs per block, by the split recurrence."""
+    if c < 1 or t < 1:
+        return 0
+    if c == 1 or t == 1:
+        return c if t == 1 else 1
+    if (c, t) not in memo:
+        memo[c, t] = _reversible(c, t - 1) + _reversible(c - 1, t)
+    return memo[c, t]
+
+
+def _brute_force_slots(n: int, t: int) -> int:
+    """The fewest slots that reverse a chain of n blocks, each run forward at most t times, by exhaustive search of
+    the pebble game: slots hold block inputs (x_0 at the start); a block runs from a stored input into a new slot or
+    over it; the last block's run gives the loss; block b is reversed, last first, when x_(b−1) is stored."""
+    import functools
+
+    def solvable(c: int) -> bool:
+        @functools.cache
+        def go(stored: frozenset, runs: tuple, b: int, loss: bool) -> bool:
+            if b == 0:
+                return True
+            if loss and (b - 1) in stored and go(stored, runs, b - 1, loss):
+                return True
+            for i in stored:
+                if i + 1 < n and i + 1 not in stored and runs[i] < t:  # runs[i]: block i+1's runs
+                    bumped = runs[:i] + (runs[i] + 1,) + runs[i + 1:]
+                    if len(stored) < c and go(stored | {i + 1}, bumped, b, loss):
+                        return True
+                    if go((stored - {i}) | {i + 1}, bumped, b, loss):
+                        return True
+                if i == n - 1 and not loss and runs[i] < t:
+                    if go(stored, runs[:i] + (runs[i] + 1,), b, True):
+                        return True
+                if len(stored) > 1 and go(stored - {i}, runs, b, loss):
+                    return True
+            return False
+
+        return go(frozenset({0}), (0,) * n, n, False)
+
+    return next(c for c in range(1, n + 1) if solvable(c))
+
+
+def test_binomial_checkpointing_slots_under_one_convention(rendered):
+    """2.11.3: the recurrence L(c, t) = L(c, t − 1) + L(c − 1, t) is checked against an exhaustive search of the slot
+    game on short chains, then gives L = 48: 10 slots at t = 2, 6 at t = 3 (9 and 5 with block 1's input free);
+    single-level checkpointing with equal segments needs ⌈L/k⌉ + k − 1 = 13 (12)."""
+    import math
+
+    for n in range(1, 6):
+        for t in (1, 2, 3):
+            by_recurrence = next(c for c in range(1, n + 1) if _reversible(c, t) >= n)
+            assert _brute_force_slots(n, t) == by_recurrence, (n, t)
+    fewest = {t: next(c for c in range(1, 49) if _reversible(c, t) >= 48) for t in (2, 3)}
+    single = min(math.ceil(48 / k) + k - 1 for k in range(1, 49))
+    section = " ".join(_section(rendered, "ch02", "2.11").split())
+    assert fewest == {2: 10, 3: 6} and single == 13
+    assert f"the fewest slots is **{fewest[2]}**" in section and f"with **t = 3**, **{fewest[3]}**" in section
+    assert f"= **{single}** slots" in section
+    assert f"{fewest[2] - 1}, {fewest[3] - 1} and {single - 1}" in section
+
+
+def test_spare_blocks_depend_on_their_position(rendered):
+    """2.12.3: with twice the k = 1 peak, un-checkpointed blocks in the middle must fit beside a recomputed block;
+    the last blocks need not. From the committed checkpoint rows."""
+    import math
+
+    from kit.model import get_config
+
+    rows = _results("checkpoint")
+    one = next(r for r in rows if r["k"] == 1)
+    s = one["batch"] * one["context"] * get_config(one["preset"]).d_model * 4 / 2**20
+    a1, big_a, p1 = one["after_forward_MiB"], one["recompute_MiB"], one["peak_saved_MiB"]
+    middle = (2 * p1 - a1 - big_a) / (big_a - s)
+    last = (2 * p1 - a1) / (big_a - s)
+    section = " ".join(_section(rendered, "ch02", "2.12").split())
+    assert f"n ≤ {middle:.2f} → **{math.floor(middle)}**" in section
+    assert f"n ≤ {last:.2f} → **{math.floor(last)}**" in section
+    assert math.floor(last) > math.floor(middle)
+
+
+def test_bf16_saved_bytes_question_matches_the_table(rendered):
+    """2.13.3: every committed row has bf16 keeping fewer bytes than fp32, but more than half."""
+    rows = _results("precision")
+    ratios = []
+    for r in rows:
+        if r["dtype"] == "bf16":
+            fp32 = next(x for x in rows
+                        if (x["preset"], x["context"], x["dtype"]) == (r["preset"], r["context"], "fp32"))
+            ratios.append(r["saved_MiB"] / fp32["saved_MiB"])
+    assert all(0.5 < x < 1 for x in ratios), ratios
+    section = " ".join(_section(rendered, "ch02", "2.13").split())
+    assert f"The ratio is {min(ratios):.2f}–{max(ratios):.2f}" in section
+    assert "saves more" not in section
+
+
+def test_naive_attention_runs_out_of_memory_where_the_key_says(rendered):
+    """3.6(a): naive attention's forward holds 2N²·c + 2N² bytes per batch·head at its peak (two score-sized
+    tensors and two boolean masks, counted by hand from kit.model.naive_attention); at the grid's batch·heads 16
+    that first exceeds 80 GB at N = 32768 in both dtypes."""
+    section = " ".join(_section(rendered, "ch03", "3.6").split())
+    forward = {c: (lambda n, c=c: 16 * (2 * n * n * c + 2 * n * n) / 2**30) for c in (2, 4)}
+    first_oom = {c: next(n for n in (8192, 16384, 32768, 65536) if forward[c](n) > 79.1) for c in (2, 4)}
+    assert first_oom == {2: 32768, 4: 32768}
+    assert "the first OOM is at **N = 32768**" in section
+    cells = f"{forward[4](8192):.0f} | {forward[4](16384):.0f} | {forward[4](32768):.0f} **OOM**"
+    assert f"| fp32 | forward | 10.00 | {cells}" in rendered["ch03"]
+
+
+def test_flash_intensity_follows_the_handouts_traffic_model(rendered):
+    """3.6(b): with K and V re-read once per query tile, a fused forward does 4N²D FLOPs per 2·N·D·c·N/B_M bytes:
+    2·B_M/c = 128 FLOP/byte at B_M = 128 in bf16, below the H100's ridge of 989e12 / 3.35e12 ≈ 295."""
+    section = " ".join(_section(rendered, "ch03", "3.6").split())
+    n, d, c, block_m = 16384, 64, 2, 128
+    intensity = 4 * n * n * d / (2 * n * d * c * n / block_m)
+    assert f"**{intensity:.0f} FLOP/byte**" in section and f"below its ridge ({989e12 / 3.35e12:.0f})" in section
+    assert "**N/c** FLOP/byte" in section and "assumption stated" in section
