@@ -14,8 +14,9 @@ Inputs are 4-D, ``(batch, heads, N, D)``: SDPA's fused backends accept nothing e
 backend, 3-D input has "No available kernel"). Grid on a GPU: sequence 128 … 32768 × head dim 16 … 128 ×
 {bf16, fp32}, batch·heads 16 (the leaderboard's: naive attention runs out of an 80 GB GPU's memory at
 N = 32768 in every dtype and mode, Problem 3.6), causal; on a CPU a small grid at batch 1. Goal rows
-(``--goals`` runs only these, for ``sdpa`` and ``flash_triton`` unless ``--providers`` says otherwise): the leaderboard configuration (batch·heads 16,
-Nq = Nk = 16384, D = 64, causal, bf16; forward, backward and forward+backward) and a forward-throughput
+(``--goals`` runs only these, for ``sdpa`` and ``flash_triton`` unless ``--providers`` says otherwise): the
+leaderboard configuration (batch·heads 16, Nq = Nk = 16384, D = 64, causal, bf16; forward, backward and
+forward+backward) and a forward-throughput
 row (batch 8, N = 16384, D = 128, non-causal, bf16). The goal report compares them with the targets and
 with SDPA in the same run, and says loudly when a comparison is missing.
 
