@@ -84,6 +84,19 @@ def test_bench_model_compile_compares_eager_and_compiled(tmp_path: Path) -> None
             assert r["speedup"] == pytest.approx(eager["median_ms"] / r["median_ms"])
 
 
+def test_bench_fsdp_skips_and_names_unfinished_implementations(tmp_path: Path) -> None:
+    """Problem 5.18's benchmark on the stubs: Stage 4's DDP and this stage's FSDP are skipped with the stub's own
+    message, and torch's fully_shard still runs: the benchmark works before every stage is done."""
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.bench_fsdp", "--smoke", "--impl", "student", "--out",
+                           str(tmp_path)], cwd=ROOT, env=_clean_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"bench_fsdp on the stubs failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    rows = {r["impl"]: r for r in json.loads((tmp_path / "bench_fsdp.json").read_text())["rows"]}
+    for name, where in (("DDP", "handout 04"), ("FSDP p1", "handout 05b")):
+        assert rows[name]["note"].startswith("not implemented yet: ") and where in rows[name]["note"], rows[name]
+        assert f"skipped {name}: not implemented yet" in proc.stdout
+    assert rows["fully_shard"]["step_ms"] > 0 and rows["fully_shard"]["state_mb"] > 0
+
+
 def test_benchmarks_have_no_path_hacks_and_return_their_rows() -> None:
     for name in BENCHMARKS:
         source = (ROOT / "benchmarks" / f"{name}.py").read_text()
