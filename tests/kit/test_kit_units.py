@@ -223,3 +223,20 @@ def test_doctor_says_what_a_grading_machine_lacks(monkeypatch):
     monkeypatch.setattr(doctor, "available_memory_gib", lambda: 6.0)
     monkeypatch.setattr(confine, "landlock_abi", lambda: 7)
     assert doctor.grader_floor() == [] and "meets the grader's recommendation" in doctor.grader_report()
+
+
+def test_score_table_columns_line_up_for_every_stage_title():
+    """Every stage's row of the score table has its bars where the header has them, the longest title included
+    (Stage 5's "Sharded data parallel: ZeRO-1 and FSDP" once broke the columns)."""
+    from kit import stages
+    from kit.grading.reporting import format_table
+    from kit.grading.scoring import GradeResult, TestResult
+
+    tests = [TestResult(nodeid=f"tests/x.py::test_{s.number}", stage=s.number, points=2.0, hidden=False,
+                        score=2.0 * (s.number % 2), status="passed" if s.number % 2 else "failed")
+             for s in stages.STAGES]
+    table = [line for line in format_table(GradeResult("demo", tests)).splitlines() if line.startswith("|")]
+    assert len(table) == len(stages.STAGES) + 3
+    bars = {tuple(i for i, ch in enumerate(line) if ch == "|") for line in table}
+    assert len(bars) == 1, "\n".join(table)
+    assert any(s.title in line for s in stages.STAGES for line in table if len(s.title) > 28)
