@@ -357,3 +357,106 @@ def test_flash_intensity_follows_the_handouts_traffic_model(rendered):
     intensity = 4 * n * n * d / (2 * n * d * c * n / block_m)
     assert f"**{intensity:.0f} FLOP/byte**" in section and f"below its ridge ({989e12 / 3.35e12:.0f})" in section
     assert "**N/c** FLOP/byte" in section and "assumption stated" in section
+
+
+def test_bucket_size_key_uses_the_crossing_and_keeps_alpha(rendered):
+    """4.8: E(b) = (S/b)·α + α + b/β at its optimum √(S·α·β) (46.4 ms for `small` on 1 ms / 1 GB/s, not 45.4); the max
+    form's minimum, found here by a scan over b, sits at the crossing of its two terms, left of the smallest b that
+    fits the backward."""
+    import math
+
+    section = " ".join(_section(rendered, "ch04", "4.8").split())
+    S = _params("small") * 4
+    for alpha, beta, fmt in ((20e-6, 100e9, ".2f"), (1e-3, 1e9, ".1f")):
+        b = math.sqrt(S * alpha * beta)
+        assert f"{(S / b * alpha + alpha + b / beta) * 1e3:{fmt}} ms" in section, (alpha, beta)
+    alpha, beta, T = 20e-6, 100e9, 2 * S / 100e9
+    exposed = lambda b: max(alpha + b / beta, S / b * alpha + S / beta - T)  # noqa: E731
+    grid = [S * 1e-5 * 1.001**i for i in range(20000) if S * 1e-5 * 1.001**i <= S]
+    best = min(grid, key=exposed)
+    fit = S * alpha / (T - S / beta)
+    lo, hi = S * 1e-5, S  # bisection on (rising − falling), which changes sign once
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if alpha + mid / beta > S / mid * alpha + S / beta - T else (mid, hi)
+    assert abs(best / lo - 1) < 0.002 and best < fit, "the scan's minimum is where the terms cross"
+    assert f"b_cross = {lo / 2**20:.2f} MiB" in section and f"b_fit = {fit / 2**20:.2f} MiB" in section
+    assert "**the minimum of the max is at the crossing**" in section
+
+
+def test_zero_imbalance_hint_and_key_use_the_same_body(rendered):
+    """5.9.1: greedy whole-parameter ownership on N = 8, recomputed here: the 1B-shaped body with a tied 128 k
+    embedding is badly unbalanced, the 8B-shaped one is not."""
+    def greedy(sizes: list[int], n: int = 8) -> float:
+        loads = [0] * n
+        for size in sorted(sizes, reverse=True):
+            loads[loads.index(min(loads))] += size
+        return max(loads) / (sum(sizes) / n)
+
+    def body(d: int, d_ff: int, layers: int, tied: bool) -> list[int]:
+        return [128_256 * d] * (1 if tied else 2) + ([d * d] * 4 + [d * d_ff] * 3 + [d, d]) * layers + [d]
+
+    small = greedy(body(2048, 8192, 16, True))
+    large = greedy(body(4096, 14336, 32, False))
+    section = " ".join(_section(rendered, "ch05", "5.9").split())
+    assert small > 1.2 and large < 1.01
+    assert f"{small:.2f}× Ψ/N on N = 8" in section and f"{large:.4f}× Ψ/N untied" in section
+    hint = (answers.ROOT / "handout" / "05-zero.md").read_text()
+    assert "Llama-3.2-1B-shaped body (d_model 2048, 16 layers, d_ff 8192, tied" in " ".join(hint.split())
+
+
+def test_reshard_memory_is_compared_with_flash_attention_activations(rendered):
+    """5.16.1: a 7B model's activations with FlashAttention are s·b·h·34 bytes per layer (Korthikanti without the
+    5·a·s/h scores term): 32 layers ≈ 18 GB, so the 14 GB of gathered bf16 weights are ≈ 77 % of them."""
+    s, b, h, layers = 4096, 1, 4096, 32
+    flash = s * b * h * 34 * layers / 1e9
+    section = " ".join(_section(rendered, "ch05b", "5.16").split())
+    assert f"≈ {flash:.1f} GB in all" in section and f"**{14 / flash * 100:.0f} %**" in section
+
+
+def test_tp_fsdp_split_gives_the_max_form_too(rendered):
+    """5.20: with the two links concurrent, max(T_fsdp, T_tp) is smallest where they are equal: t(t − 1) = 81."""
+    import math
+
+    t_eq = (1 + math.sqrt(1 + 4 * 81)) / 2
+    fsdp8 = 36 * 8192**2 * 2 / (8 * 50e9)
+    section = " ".join(_section(rendered, "ch05b", "5.20").split())
+    assert f"**t = {t_eq:.2f}**" in section and f"at t = 8 the max is {fsdp8 * 1e3:.1f} ms" in section
+
+
+def test_smallest_model_parallel_for_10b_is_not_a_power_of_two(rendered):
+    """6.7: 16Ψ/m ≤ 80 GB for the smallest integer m, with Ψ counted on the meta device; tp = m divides the heads."""
+    from kit.model import get_config
+
+    psi = _params("10B")
+    m = next(m for m in range(1, 64) if 16 * psi / m <= 80e9)
+    cfg = get_config("10B")
+    assert m == 3 and cfg.num_heads % m == 0 and cfg.d_ff % m == 0
+    section = " ".join(_section(rendered, "ch06", "6.7").split())
+    assert f"| 0 | impossible | {m} | 4 |" in section and f"{16 * psi / m / 1e9:.1f} GB per device" in section
+    assert "power-of-two tp·pp that makes" not in section
+
+
+def test_communication_bounds_come_before_their_use():
+    """6.8 derives the bounds, 6.9 uses them; 2.11–2.13 and every chapter's problems are numbered in order."""
+    from kit.handout_check import parse_handout
+
+    for chapter in answers.chapters():
+        numbers = [p.number for p in parse_handout(answers.ROOT / "handout" / chapter)]
+        minors = [int(n.split(".")[1]) for n in numbers]
+        assert minors == sorted(minors), f"{chapter}: problems out of order: {numbers}"
+    text = (answers.ROOT / "handout" / "06-4d-parallelism.md").read_text()
+    assert text.index("Problem 6.8 — When each axis is communication-bound") < text.index(
+        "Problem 6.9 — Compute-bound FSDP × TP")
+
+
+def test_tp_backward_key_counts_bytes_and_flops(rendered):
+    """6.13: n·d·c bytes per all-reduce (64 MiB at n = 4096, d = 8192, bf16), 2(t−1)/t of it sent per rank at 450 GB/s,
+    against 3 × 4·n·d·f/t FLOPs at half the H100's peak."""
+    n, d, f, t, c = 4096, 8192, 4 * 8192, 8, 2
+    allreduce = 2 * (t - 1) / t * n * d * c / 450e9
+    compute = 3 * 4 * n * d * f / t / (0.5 * 989e12)
+    section = " ".join(_section(rendered, "ch06", "6.13").split())
+    assert f"{n * d * c / 2**20:.0f} MiB (bf16)" in section and f"{allreduce * 1e3:.2f} ms on NVLink" in section
+    assert f"**{2 * allreduce / compute * 100:.0f} %**" in section
+    assert "dX = Σ_r dH_r · A_rᵀ — one all-reduce" in section
