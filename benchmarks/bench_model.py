@@ -135,6 +135,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
         columns[-1:-1] = ["median_ms", "min_ms", "first_call_s", "speedup"]
         bench.save("bench_model_compile", rows, args, columns=columns,
                    title="Stage 1 — the whole model, eager vs torch.compile (first call includes compilation)")
+        fig, ax = bench.subplots(figsize=(7, 4))
+        labels = [f"{r['preset']} {r['context']} {r['mode']} {r['dtype']}\n{r['compile']}" for r in rows]
+        ax.bar(labels, [r.get("median_ms") or 0 for r in rows],
+               color=["tab:gray" if r["compile"] == "eager" else "tab:green" for r in rows])
+        ax.set(ylabel="median ms per step", title="eager vs torch.compile")
+        ax.tick_params(axis="x", labelsize=6)
+        bench.save_figure(fig, "bench_model_compile", args)
         return rows
     bench.save("bench_model", rows, args, columns=columns,
                title="Stage 1 — Transformer step time (TFLOP/s on model FLOPs, causal attention)")
