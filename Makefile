@@ -17,7 +17,7 @@ HAVE_REFERENCE := $(wildcard reference/__init__.py)
 export PYTHONDONTWRITEBYTECODE := 1
 
 .PHONY: help setup grade test test-reference test-kit lint student check-student release autograder check-handout soak \
-        timings stages mutants answers notebooks bench doctor clean wheelhouse gpu-check new-stage bench-loop
+        timings stages mutants answers notebooks bench doctor clean wheelhouse gpu-check new-stage bench-loop lab
 
 # `##` describes a target for `make help`; `##@instructor` marks one that needs reference/ (hidden in the student
 # release), `##@student` one that only the student release has.
@@ -108,6 +108,19 @@ check-handout: setup ## check that the handout, the tests and the points agree
 
 notebooks: setup ## regenerate notebooks/*.ipynb from their jupytext .py twins
 	$(PY) -m jupytext --to ipynb --update notebooks/[0-9]*.py
+
+LAB_PORT ?= 8888
+LAB_ARGS ?=
+# The kernel is .venv's own Python (a kernelspec written into .venv, which Jupyter prefers there); the server's
+# PYTHONPATH, which its kernels inherit, puts the repository root first so that `import kit` works from notebooks/.
+# As root (containers), Jupyter refuses to start without allow_root.
+lab: setup ## open the notebooks in JupyterLab on the kit's .venv kernel (LAB_PORT=8888; LAB_ARGS=--no-browser)
+	@$(PY) -c "import jupyterlab" 2>/dev/null || { echo "make lab: JupyterLab is not installed in $(VENV)" \
+	    "(optional on a GPU image): $(PY) -m pip install 'jupyterlab>=4.2', then make lab"; exit 1; }
+	@$(PY) -m ipykernel install --sys-prefix --name python3 --display-name "Python 3 (kit .venv)" >/dev/null
+	cd notebooks && PYTHONPATH="$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH}" "$(CURDIR)/$(PY)" -m jupyterlab \
+	    --ServerApp.ip=127.0.0.1 --ServerApp.port=$(LAB_PORT) --ServerApp.port_retries=0 \
+	    $(if $(filter 0,$(shell id -u)),--ServerApp.allow_root=True) $(LAB_ARGS)
 
 bench: setup ## run every benchmark on IMPL (default student) into bench-output/ (SAVE=1: over the committed tables in benchmarks/results/)
 	@for b in benchmarks/bench_*.py; do m=benchmarks.$$(basename $$b .py); echo "== python -m $$m"; \

@@ -125,7 +125,10 @@ def _warn_below_floor() -> None:
 def cmd_nsys_summary(args: argparse.Namespace) -> int:
     from kit.nsys import format_summary, summarize_nsys_csv
 
-    rows = summarize_nsys_csv(Path(args.nvtx_csv), Path(args.kern_csv) if args.kern_csv else None)
+    if args.steps is not None and args.steps < 1:
+        print(f"--steps must be at least 1, got {args.steps}", file=sys.stderr)
+        return 2
+    rows = summarize_nsys_csv(Path(args.nvtx_csv), Path(args.kern_csv) if args.kern_csv else None, steps=args.steps)
     print(format_summary(rows))
     return 0
 
@@ -188,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     n = sub.add_parser("nsys-summary", help="kernel time per NVTX range from `nsys stats` CSV files")
     n.add_argument("nvtx_csv", help="CSV of `nsys stats --report nvtx_sum --format csv`")
     n.add_argument("kern_csv", nargs="?", help="CSV of `nsys stats --report cuda_gpu_kern_sum --format csv`")
+    n.add_argument("--steps", type=int, default=None,
+                   help="steps in the capture (bench_model's --iters): adds invocations per step")
     n.set_defaults(func=cmd_nsys_summary)
 
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)

@@ -13,7 +13,8 @@ The kit itself is not installed: it runs from the repository, so ``student`` is 
 On a CUDA machine (``--gpu``) the installed torch and triton are never replaced, numpy is never
 downgraded (the ``numpy<2.4`` pin of constraints-cpu.txt is for the CPU Triton interpreter only), and
 the packages in :data:`OPTIONAL_ON_GPU` may be missing: NVTX ranges then go through ``torch.cuda.nvtx``
-(kit/nvtx_ranges.py), and only ``make lint`` and the notebook tests need the others.
+(kit/nvtx_ranges.py), only ``make lint`` and the notebook tests need the others, and ``make lab`` JupyterLab
+(a CPU setup installs it; ``--download`` leaves it out of the GPU wheelhouse, see :data:`LAB_ONLY`).
 """
 
 from __future__ import annotations
@@ -40,7 +41,10 @@ CONSTRAINTS = ROOT / "constraints-cpu.txt"
 # A CUDA machine brings its own builds of these: never install, replace or downgrade them there.
 KEPT_ON_GPU = ("torch", "triton", "numpy")
 # Missing on a CUDA machine is not fatal: nvtx falls back to torch.cuda.nvtx; the rest serve lint and notebooks.
-OPTIONAL_ON_GPU = ("nvtx", "nbclient", "nbformat", "ipykernel", "jupytext", "ruff")
+OPTIONAL_ON_GPU = ("nvtx", "nbclient", "nbformat", "ipykernel", "jupytext", "ruff", "jupyterlab")
+# What `make lab` alone needs: an offline GPU machine runs the notebooks headless, so the wheelhouse for it leaves
+# these out (JupyterLab and its server add ~25 MiB to a folder that travels within 64 MiB).
+LAB_ONLY = ("jupyterlab",)
 # What `--download` leaves out: the CUDA image's own large binary builds.
 NOT_DOWNLOADED = ("torch", "triton", "numpy")
 # The device machines of this workplace run CPython 3.12 on x86-64 manylinux (/work/.library/device/README.md).
@@ -169,7 +173,7 @@ def setup(*, gpu: bool, wheels: Path | None, run: Callable[[list[str]], int] = s
         return 0
     if not p.required_missing:
         print("kit.bootstrap: optional on a CUDA machine, still missing: " + ", ".join(p.optional)
-              + " — NVTX ranges use torch.cuda.nvtx; `make lint` and the notebook tests need the others.")
+              + " — NVTX ranges use torch.cuda.nvtx; `make lint`, the notebook tests and `make lab` need the others.")
         print(how_to_get(p.optional, gpu=gpu))
         return 0
     print(how_to_get(p.missing, gpu=gpu))
@@ -178,10 +182,11 @@ def setup(*, gpu: bool, wheels: Path | None, run: Callable[[list[str]], int] = s
 
 def download_command(dest: Path, *, python_version: str, platforms: tuple[str, ...] = DEFAULT_PLATFORMS,
                      skip: tuple[str, ...] = ()) -> list[str]:
-    """The ``pip download`` that fills ``dest`` with wheels of every requirement but torch, triton, numpy and
-    ``skip`` (what the target is known to have, e.g. matplotlib: 24 MiB with its dependencies), and their
+    """The ``pip download`` that fills ``dest`` with wheels of every requirement but torch, triton, numpy, JupyterLab
+    (:data:`LAB_ONLY`) and ``skip`` (what the target is known to have, e.g. matplotlib: 24 MiB with its
+    dependencies), and their
     dependencies, for CPython ``python_version`` on x86-64 Linux (binary wheels only)."""
-    left_out = set(NOT_DOWNLOADED) | {canonicalize_name(n) for n in skip}
+    left_out = set(NOT_DOWNLOADED) | set(LAB_ONLY) | {canonicalize_name(n) for n in skip}
     names = [r for r in requirements() if canonicalize_name(Requirement(r).name) not in left_out]
     cmd = PIP + ["download", *QUIET, "--only-binary=:all:", "--python-version", python_version,
                  "--implementation", "cp", "-d", str(dest)]

@@ -37,11 +37,12 @@ def _get(row: dict[str, str], *names: str) -> str:
     raise KeyError(f"none of the columns {names} in nsys CSV (have {sorted(row)})")
 
 
-def summarize_nsys_csv(nvtx_csv: Path, kern_csv: Path | None = None) -> list[dict]:
+def summarize_nsys_csv(nvtx_csv: Path, kern_csv: Path | None = None, steps: int | None = None) -> list[dict]:
     """Rows of ``{range, instances, total_ms, avg_ms, share}`` sorted by total time, plus the top kernels.
 
     Kernels are not attributed to ranges by ``nsys stats`` CSVs; the kernel table is appended as rows
-    with ``kind == "kernel"`` so one table shows where the time goes.
+    with ``kind == "kernel"`` so one table shows where the time goes. With ``steps`` (the number of steps
+    the capture holds: ``bench_model --iters``), each row also has ``per_step``: its invocations per step.
     """
     rows = []
     for r in _read_csv(nvtx_csv):
@@ -62,6 +63,9 @@ def summarize_nsys_csv(nvtx_csv: Path, kern_csv: Path | None = None) -> list[dic
                 "total_ms": float(_get(r, "Total Time (ns)", "Total Time")) / 1e6,
                 "avg_ms": float(_get(r, "Avg (ns)", "Average", "Avg")) / 1e6,
             })
+    if steps is not None:
+        for r in rows:
+            r["per_step"] = r["instances"] / steps
     for kind in ("nvtx", "kernel"):
         total = sum(r["total_ms"] for r in rows if r["kind"] == kind) or 1.0
         for r in rows:
@@ -71,9 +75,12 @@ def summarize_nsys_csv(nvtx_csv: Path, kern_csv: Path | None = None) -> list[dic
 
 
 def format_summary(rows: list[dict]) -> str:
-    out = ["| kind | name | instances | total ms | avg ms | share |", "|---|---|---:|---:|---:|---:|"]
+    per_step = any("per_step" in r for r in rows)
+    out = ["| kind | name | instances |" + (" per step |" if per_step else "") + " total ms | avg ms | share |",
+           "|---|---|---:|" + ("---:|" if per_step else "") + "---:|---:|---:|"]
     for r in rows:
         name = r["name"] if len(r["name"]) <= 70 else r["name"][:67] + "…"
-        out.append(f"| {r['kind']} | {name} | {r['instances']} | {r['total_ms']:.3f} | {r['avg_ms']:.4f} | "
+        step = f" {r['per_step']:g} |" if per_step else ""
+        out.append(f"| {r['kind']} | {name} | {r['instances']} |{step} {r['total_ms']:.3f} | {r['avg_ms']:.4f} | "
                    f"{100 * r['share']:.1f}% |")
     return "\n".join(out)

@@ -83,3 +83,32 @@ top = bench.profile_step(lambda: model(x), row_limit=8, trace_path="01_forward_t
 for row in top:
     print(f"{row['name']:<40} {row['calls']:>5} calls {row['self_time_us'] / 1e3:>8.2f} ms self")
 # Open 01_forward_trace.json in https://ui.perfetto.dev to see the timeline.
+
+# %% [markdown]
+# ## 4. The memory of a train step over time (handout 01 §6, Problem 1.10)
+# torch.profiler with `profile_memory=True` classifies every byte alive: parameters, optimizer state,
+# gradients, activations. Two AdamW steps: the first creates the optimizer's state in its optimizer phase.
+
+# %%
+from kit import memory_timeline
+from kit.model import cross_entropy
+
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+tokens = torch.randint(0, model.config.vocab_size, (2, CONTEXTS[-1] + 1), device=device)
+step = memory_timeline.train_step_fn(model, optimizer, (tokens[:, :-1], tokens[:, 1:]), cross_entropy)
+
+
+def two_steps():
+    step()
+    step()
+
+
+timeline = memory_timeline.record(two_steps, device=device)
+fig, ax = plt.subplots(figsize=(9, 3.5))
+memory_timeline.plot(timeline, ax, title=f"{PRESET}: two AdamW train steps")
+fig.tight_layout()
+fig.savefig("01_memory_timeline.png", dpi=100)
+for peak in timeline.phase_peaks():
+    print(f"step {peak['range'] // 3 + 1} {peak['phase']:<15} peak {peak['total'] / 2**20:6.2f} MiB "
+          f"(activations {peak['activation'] / 2**20:.2f}, gradients {peak['gradient'] / 2**20:.2f}, "
+          f"optimizer state {peak['optimizer_state'] / 2**20:.2f})")

@@ -82,9 +82,12 @@ def verify_same_model(module: nn.Module, process_group: Any = None) -> None:
     disagree on sizes: gloo errors out with an opaque message, NCCL may hang. torch's
     DistributedDataParallel does the same check at construction.
 
+    Only the architecture is compared, never the values: replicas that start from different weights are
+    expected (the broadcast that follows makes them equal).
+
     Raises:
-        ValueError: the ranks' parameters or buffers differ (names, shapes, dtypes or values); the message names the
-            first difference.
+        ValueError: the ranks' parameters or buffers differ in names, shapes, dtypes or ``requires_grad`` (not
+            in their values); the message names the first difference.
     """
     # BEGIN SOLUTION all_gather_object each rank's list, compare with group rank 0's (handout 04 §1)
     mine = [(n, tuple(p.shape), str(p.dtype), bool(p.requires_grad)) for n, p in module.named_parameters()]

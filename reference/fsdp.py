@@ -203,7 +203,9 @@ def _add_grad(unit: _Unit, p: _Param, grad: torch.Tensor, world_size: int) -> No
     """Add ``grad`` (the padded full gradient ``(N·R, *rest)``, any float dtype) into ``unit.grad_input``.
 
     Row r of ``grad_input`` is what rank r's shards receive from this rank, so ``grad_input`` is exactly
-    the input a reduce-scatter wants; it is allocated (zeros, fp32) on first use.
+    the input a reduce-scatter wants, **flattened**: hand ``grad_input.view(-1)``, shape ``(N·S,)``, to
+    ``dist.reduce_scatter_tensor`` — gloo rejects the 2-D ``(N, S)`` tensor (NCCL takes either). It is
+    allocated (zeros, fp32) on first use.
     """
     if unit.grad_input is None:
         unit.grad_input = torch.zeros(world_size, unit.shard_numel, dtype=torch.float32, device=grad.device)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 from instructor import answer_key as answers
 from kit import flops
 
@@ -33,3 +35,57 @@ def ridge_table() -> str:
 
 def ok_rows() -> list[dict]:
     return [r for r in answers.results("bench_attention")["rows"] if r["status"] == "ok"]
+
+
+# ------------------------------------------------------------------------------------------ naive attention's peak
+
+@functools.cache
+def naive_peak_per_nn(dtype: str = "fp32", mode: str = "forward", n: int = 256, d: int = 64) -> float:
+    """Peak bytes `kit.model.naive_attention` (causal) adds on top of its inputs, per N² and per batch·head,
+    measured by torch.profiler's memory timeline on this CPU (exact byte counts) at a small N. The O(N·D) terms
+    are negligible against N² at the sizes of Problem 3.6 (D ≪ N)."""
+    import torch
+
+    from kit import memory_timeline
+    from kit.model import naive_attention
+
+    torch.manual_seed(0)
+    dt = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    q, k, v = (torch.randn(1, 1, n, d, dtype=dt, requires_grad=mode != "forward") for _ in range(3))
+    grad_out = torch.randn(1, 1, n, d, dtype=dt)
+
+    def call() -> None:
+        if mode == "forward":
+            with torch.no_grad():
+                naive_attention(q, k, v, is_causal=True)
+        else:
+            naive_attention(q, k, v, is_causal=True).backward(grad_out)
+
+    timeline = memory_timeline.record(call)
+    total = timeline.total()
+    return (max(total) - total[0]) / n**2
+
+
+def naive_peak_gib(n: int, dtype: str, mode: str, batch_heads: int = 16) -> float:
+    return naive_peak_per_nn(dtype, mode) * batch_heads * n**2 / 2**30
+
+
+def naive_oom_table(seqs=(8192, 16384, 32768, 65536), batch_heads: int = 16, limit_gib: float = 79.1) -> str:
+    """Predicted peak GiB of naive attention at batch·heads 16 per dtype and mode; OOM above ``limit_gib`` (an
+    H100 80 GB's usable memory as torch reports it)."""
+    lines = ["| dtype | mode | bytes per N² per batch·head | " + " | ".join(f"N = {n}" for n in seqs) + " |",
+             "|---|---|---|" + "---|" * len(seqs)]
+    for dtype in ("fp32", "bf16"):
+        for mode in ("forward", "forward_backward"):
+            cells = []
+            for n in seqs:
+                g = naive_peak_gib(n, dtype, mode, batch_heads)
+                cells.append(f"{g:,.0f}" + (" **OOM**" if g > limit_gib else ""))
+            lines.append(f"| {dtype} | {mode} | {naive_peak_per_nn(dtype, mode):.2f} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def flash_hbm_intensity(block_m: int = 128, bytes_per_element: int = 2) -> float:
+    """§7's model: FLOPs 4N²D per batch·head (non-causal), HBM bytes ≈ 2·N·D·c·N/B_M (K and V re-read once per query
+    tile) for large N: 2·B_M/c FLOP per byte, independent of N and D (causal halves both)."""
+    return 2 * block_m / bytes_per_element

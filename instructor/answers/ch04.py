@@ -18,8 +18,25 @@ def b_star(S: float, alpha: float, beta: float) -> float:
 
 
 def exposed_additive(S: float, alpha: float, beta: float, b: float) -> float:
-    """The additive model's exposed time for buckets of b bytes: (S/b)·α + b/β."""
-    return S / b * alpha + b / beta
+    """The additive model's exposed time for buckets of b bytes, as Problem 4.8(a) writes it: (S/b)·α + α + b/β
+    (every bucket's latency, plus the last bucket's whole all-reduce)."""
+    return S / b * alpha + alpha + b / beta
+
+
+def b_cross(S: float, alpha: float, beta: float, T: float) -> float:
+    """Where the max form's two terms cross: α + b/β = S·α/b + S/β − T, i.e. b²/β + b·(α + T − S/β) − S·α = 0."""
+    a, bb, c = 1 / beta, alpha + T - S / beta, -S * alpha
+    return (-bb + math.sqrt(bb * bb - 4 * a * c)) / (2 * a)
+
+
+def b_fit(S: float, alpha: float, beta: float, T: float) -> float:
+    """The smallest b whose communication fits in the backward: S·α/b + S/β = T (needs T > S/β)."""
+    return S * alpha / (T - S / beta)
+
+
+def exposed_max(S: float, alpha: float, beta: float, T: float, b: float) -> float:
+    """§4's model: max(α + b/β, (S/b)·α + S/β − T)."""
+    return max(alpha + b / beta, S / b * alpha + S / beta - T)
 
 
 def fit_alpha_beta(world_size: int = 2) -> tuple[float, float]:

@@ -68,12 +68,15 @@ def _title(stage: int) -> str:
 
 def format_table(result: GradeResult) -> str:
     """The score table per stage, then the first stage's failures grouped by cause, with the chapter to read."""
-    lines = [f"Grading {result.submission}", "", f"| Stage | {'Topic':<28} | Tests   | Points      |",
-             f"|-------|{'-' * 30}|---------|-------------|"]
-    for stage, (passed, n, pts, max_pts) in result.by_stage().items():
-        lines.append(f"| {stage:<5} | {_title(stage):<28} | {passed:>3}/{n:<3} | {pts:>5g}/{max_pts:<5g} |")
-    lines.append(f"| Total | {'':<28} | {sum(t.status == 'passed' for t in result.tests):>3}/{len(result.tests):<3} "
-                 f"| {result.score:>5g}/{result.max_score:<5g} |")
+    stages = result.by_stage()
+    # The topic column is as wide as the longest title it shows ("Sharded data parallel: ZeRO-1 and FSDP" is 38).
+    width = max([28, *(len(_title(stage)) for stage in stages)])
+    lines = [f"Grading {result.submission}", "", f"| Stage | {'Topic':<{width}} | Tests   | Points      |",
+             f"|-------|{'-' * (width + 2)}|---------|-------------|"]
+    for stage, (passed, n, pts, max_pts) in stages.items():
+        lines.append(f"| {stage:<5} | {_title(stage):<{width}} | {passed:>3}/{n:<3} | {pts:>5g}/{max_pts:<5g} |")
+    lines.append(f"| Total | {'':<{width}} | {sum(t.status == 'passed' for t in result.tests):>3}/"
+                 f"{len(result.tests):<3} | {result.score:>5g}/{result.max_score:<5g} |")
     if result.message:
         lines += ["", f"Note: {result.message}"]
     failed = [t for t in result.tests if t.status != "passed"]

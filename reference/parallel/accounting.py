@@ -210,7 +210,7 @@ def fsdp_tp_compute_bound(*, peak_flops: float, fsdp_bandwidth: float, tp_bandwi
     * TP moves the activations: ``2 · (B/fsdp) · d`` bytes at ``tp_bandwidth``.
 
     The thresholds are the forward's with communication overlapped and no ring factors; derive them
-    (handout 06 Problem 6.9). Returns ``min_tokens_per_fsdp_shard`` (the fewest tokens ``B/fsdp`` for
+    (handout 06 Problem 6.8). Returns ``min_tokens_per_fsdp_shard`` (the fewest tokens ``B/fsdp`` for
     which compute hides the FSDP all-gather), ``min_global_tokens`` (× fsdp) and ``max_tp`` (the largest
     tp, as a float, for which compute hides the TP traffic; < 1 means never).
 

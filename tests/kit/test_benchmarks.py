@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from kit import bench
-from kit.flops import attention_flops, peak_flops, transformer_flops
+from kit.flops import attention_flops, describe_device, memory_bandwidth, peak_flops, transformer_flops
 from kit.model import get_config
 from kit.results import RESULTS_DIR, SCRATCH_DIR
 from kit.spawn import run_on_ranks
@@ -60,6 +60,41 @@ def test_benchmark_smoke(name: str, tmp_path: Path) -> None:
             assert stamp.get(key), f"{path.name} lacks the {key!r} stamp"
         assert stamp["command"].startswith(f"python -m benchmarks.{name} --smoke"), stamp["command"]
     assert "|" in proc.stdout, f"{name} printed no markdown table"
+
+
+def test_bench_model_compile_compares_eager_and_compiled(tmp_path: Path) -> None:
+    """`bench_model --compile` (handout 01 §7): eager and compiled rows side by side for the forward and the
+    forward+backward, each with its first call's time, the compiled ones with their speed-up over eager. The
+    `aot_eager` backend traces forward and backward like inductor but generates no code: seconds, not minutes."""
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.bench_model", "--smoke", "--compile", "--compile-backend",
+                           "aot_eager", "--impl", "reference", "--out", str(tmp_path)], cwd=ROOT, env=_clean_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"bench_model --compile failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    rows = json.loads((tmp_path / "bench_model_compile.json").read_text())["rows"]
+    assert not (tmp_path / "bench_model.json").exists(), "--compile writes its own table"
+    assert sorted((r["mode"], r["compile"]) for r in rows) == [("forward", "aot_eager"), ("forward", "eager"),
+                                                               ("forward_backward", "aot_eager"),
+                                                               ("forward_backward", "eager")]
+    for r in rows:
+        assert r["first_call_s"] > 0 and r["mean_ms"] > 0, r
+        eager = next(e for e in rows if e["mode"] == r["mode"] and e["compile"] == "eager")
+        if r["compile"] == "eager":
+            assert r["speedup"] is None
+        else:
+            assert r["speedup"] == pytest.approx(eager["median_ms"] / r["median_ms"])
+
+
+def test_bench_fsdp_skips_and_names_unfinished_implementations(tmp_path: Path) -> None:
+    """Problem 5.18's benchmark on the stubs: Stage 4's DDP and this stage's FSDP are skipped with the stub's own
+    message, and torch's fully_shard still runs: the benchmark works before every stage is done."""
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.bench_fsdp", "--smoke", "--impl", "student", "--out",
+                           str(tmp_path)], cwd=ROOT, env=_clean_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"bench_fsdp on the stubs failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    rows = {r["impl"]: r for r in json.loads((tmp_path / "bench_fsdp.json").read_text())["rows"]}
+    for name, where in (("DDP", "handout 04"), ("FSDP p1", "handout 05b")):
+        assert rows[name]["note"].startswith("not implemented yet: ") and where in rows[name]["note"], rows[name]
+        assert f"skipped {name}: not implemented yet" in proc.stdout
+    assert rows["fully_shard"]["step_ms"] > 0 and rows["fully_shard"]["state_mb"] > 0
 
 
 def test_benchmarks_have_no_path_hacks_and_return_their_rows() -> None:
@@ -152,14 +187,37 @@ def test_attention_flops_halve_for_causal_and_scale_by_mode() -> None:
         attention_flops(True, 128, 128, 64, causal=True, mode="forward")
 
 
-def test_peak_table_matches_specific_variants_first() -> None:
-    assert peak_flops("NVIDIA H100 80GB HBM3", "bf16") == 989e12
-    assert peak_flops("NVIDIA H100 PCIe", "bf16") == 756e12
-    assert peak_flops("NVIDIA H200", "fp8") == 1979e12
-    assert peak_flops("NVIDIA GB200", "bf16") == 2.5e15
-    assert peak_flops("NVIDIA B200", "bf16") == 2.25e15
+# The names torch.cuda.get_device_name() reports for each card, and the data sheet's figures they must get.
+REPORTED_NAMES = {
+    "NVIDIA H100 80GB HBM3": (989e12, 3.35e12), "NVIDIA H100 PCIe": (756e12, 2.0e12),
+    "NVIDIA H100 NVL": (835e12, 3.9e12), "NVIDIA H200": (989e12, 4.8e12), "NVIDIA H200 NVL": (835e12, 4.8e12),
+    "NVIDIA B200": (2.25e15, 8e12), "NVIDIA GB200": (2.5e15, 8e12), "NVIDIA A100-SXM4-80GB": (312e12, 2.039e12),
+    "NVIDIA A100-SXM4-40GB": (312e12, 2.039e12), "NVIDIA A100 80GB PCIe": (312e12, 1.935e12),
+    "NVIDIA A100-PCIE-40GB": (312e12, 1.935e12), "NVIDIA L40S": (362e12, 0.864e12), "NVIDIA L4": (121e12, 0.3e12),
+    "NVIDIA GeForce RTX 4090": (165e12, 1.008e12),
+}
+
+
+@pytest.mark.parametrize("name", sorted(REPORTED_NAMES))
+def test_each_reported_device_name_gets_its_own_figures(name: str) -> None:
+    flops_bf16, bandwidth = REPORTED_NAMES[name]
+    assert peak_flops(name, "bf16") == flops_bf16, name
+    assert memory_bandwidth(name) == bandwidth, name
+
+
+def test_device_lookup_is_exact_and_says_unknown() -> None:
+    # The substring rule this replaced read the L40S as an L4 and the H100 NVL as an H100 SXM.
+    assert peak_flops("NVIDIA L40S", "bf16") != peak_flops("NVIDIA L4", "bf16")
+    assert peak_flops("NVIDIA H100 NVL", "bf16") != peak_flops("NVIDIA H100 80GB HBM3", "bf16")
+    assert peak_flops("H100", "bf16") == 989e12 and memory_bandwidth("H100") == 3.35e12  # a row by its own name
+    assert peak_flops("Tesla V100-SXM2-32GB", "fp16") == 125e12 and peak_flops("Tesla V100-SXM2-32GB", "bf16") is None
     assert peak_flops("NVIDIA B200", "fp32") is None  # left out on purpose (see kit/flops.py)
-    assert peak_flops("Some CPU", "bf16") is None
+    for unknown in ("Some CPU", "NVIDIA H100", "NVIDIA L4 Ultra", "NVIDIA GH200 480GB", "h100"):
+        assert peak_flops(unknown, "bf16") is None and memory_bandwidth(unknown) is None, unknown
+        assert describe_device(unknown).startswith("unknown device"), unknown
+    assert describe_device("NVIDIA H100 NVL") == "H100 NVL"
+    with pytest.raises(TypeError, match="device_name"):
+        peak_flops(None, "bf16")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -223,6 +281,19 @@ def test_goal_rows_are_the_leaderboard_and_throughput_shapes() -> None:
     assert (thr["seq"], thr["d_head"], thr["causal"], thr["modes"]) == (16384, 128, False, ("forward",))
     cpu = Namespace(smoke=False, goals=False, compile_on_cpu=False, cpu_triton_max_seq=128)
     assert ba.skip_reason("sdpa", board, on_cuda=False, args=cpu).startswith("needs CUDA")
+
+
+def test_gpu_grid_reaches_naive_attentions_out_of_memory() -> None:
+    """Problem 3.6(a) asks where naive attention runs out of memory: the GPU grid must get there. At batch·heads
+    16 its forward alone holds 2N²·c + 2N² bytes per batch·head (scores and scaled scores, or masked scores and
+    probabilities, plus two boolean masks): > 80 GB at N = 32768 even in bf16, < 80 GB at 16384 even in fp32."""
+    from benchmarks import bench_attention as ba
+
+    grid = [c for c in ba.plan(Namespace(smoke=False, goals=False), on_cuda=True) if c["config"] == "grid"]
+    assert {c["batch"] * c["heads"] for c in grid} == {16}
+    seqs = sorted({c["seq"] for c in grid})
+    forward_peak = {c: lambda n, c=c: 16 * (2 * n * n * c + 2 * n * n) for c in (2, 4)}
+    assert forward_peak[2](seqs[-1]) > 80e9 and forward_peak[4](seqs[-2]) < 80e9, seqs
 
 
 def _goal_rows(sdpa_status: str = "ok") -> list[dict]:

@@ -34,7 +34,7 @@ def test_gpu_keeps_numpy_and_treats_nvtx_and_dev_tools_as_optional():
     p = bootstrap.plan(bootstrap.requirements(), gpu=True, version_of=versions(**GPU_IMAGE))
     assert not any(r.startswith(("torch", "triton", "numpy")) for r in p.missing), p.missing
     names = {r.split(">")[0].split("<")[0].split("=")[0] for r in p.missing}
-    assert names == {"nvtx", "nbclient", "nbformat", "ipykernel", "jupytext", "ruff"}
+    assert names == {"nvtx", "nbclient", "nbformat", "ipykernel", "jupytext", "ruff", "jupyterlab"}
     assert p.required_missing == []
 
 
@@ -156,6 +156,8 @@ def test_download_command_targets_the_gpu_machine(tmp_path):
     assert cmd[cmd.index("--python-version") + 1] == "3.12" and "manylinux_2_17_x86_64" in cmd
     assert any(c.startswith("nvtx") for c in cmd) and any(c.startswith("pytest") for c in cmd)
     assert not any(c.startswith(("torch", "triton", "numpy")) for c in cmd), "the CUDA image brings those"
+    assert not any(c.startswith("jupyterlab") for c in cmd), "the GPU machine runs notebooks headless: no lab"
+    assert any(r.startswith("jupyterlab") for r in bootstrap.requirements()), "a CPU setup installs JupyterLab"
 
 
 def test_prune_wheelhouse_drops_what_the_cuda_machine_keeps(tmp_path):

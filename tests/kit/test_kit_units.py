@@ -1,4 +1,5 @@
-"""Small units of the given code: impl selection, teaching assertions, model, nsys summary, results."""
+"""Small units of the given code: impl selection, teaching assertions, model, nsys summary, memory timeline,
+results."""
 
 from __future__ import annotations
 
@@ -100,6 +101,77 @@ def test_nsys_summary_parses_both_reports(tmp_path):
     out = subprocess.run([sys.executable, "-m", "kit", "nsys-summary", str(nvtx), str(kern)], cwd=ROOT,
                          capture_output=True, text=True, check=True).stdout
     assert "| nvtx | backward | 3 | 6.000 |" in out
+    # Invocations per step: the capture held 10 steps, so 30 GEMM launches are 3 per step.
+    per_step = {r["name"]: r["per_step"] for r in summarize_nsys_csv(nvtx, kern, steps=10)}
+    assert per_step["ampere_sgemm_128x64_tn"] == 3 and per_step["softmax_kernel"] == 1
+    out = subprocess.run([sys.executable, "-m", "kit", "nsys-summary", str(nvtx), str(kern), "--steps", "10"],
+                         cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert "| kernel | ampere_sgemm_128x64_tn | 30 | 3 | 9.000 |" in out, out
+
+
+def _tiny_train_step():
+    from kit import memory_timeline
+    from kit.model import cross_entropy
+
+    torch.manual_seed(0)
+    config = get_config("tiny", context_length=16)
+    model = TransformerLM(config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    tokens = torch.randint(0, config.vocab_size, (2, 17))
+    psi = sum(p.numel() for p in model.parameters())
+    return memory_timeline.train_step_fn(model, optimizer, (tokens[:, :-1], tokens[:, 1:]), cross_entropy), psi
+
+
+def test_memory_timeline_classifies_a_train_step():
+    """kit.memory_timeline on a CPU: the phases in order, parameters 4Ψ throughout, AdamW's state 8Ψ (plus its
+    step counters) from the first step's optimizer phase on, gradients 4Ψ at that phase, activations during
+    the forward only."""
+    from kit import memory_timeline
+
+    step, psi = _tiny_train_step()
+
+    def two_steps():
+        step()
+        step()
+
+    timeline = memory_timeline.record(two_steps)
+    assert timeline.source == "export_memory_timeline"
+    assert [name for name, _, _ in timeline.phases] == ["forward", "backward", "optimizer_step"] * 2
+    peaks = timeline.phase_peaks()
+    assert all(p["parameter"] == 4 * psi for p in peaks[3:]), [p["parameter"] for p in peaks]
+    assert peaks[0]["optimizer_state"] == 0, "no AdamW state before the first step"
+    for p in peaks[2:]:
+        assert 8 * psi <= p["optimizer_state"] <= 8 * psi + 4 * 64, p  # + a 4-byte `step` per tensor
+    assert peaks[2]["gradient"] == 4 * psi, "all gradients alive when the optimizer steps"
+    assert peaks[0]["activation"] > 0 and peaks[0]["gradient"] == 0
+    assert max(timeline.total()) == max(p["total"] for p in peaks)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots()
+    memory_timeline.plot(timeline, ax)
+    assert ax.get_ylabel() == "allocated (MiB)"
+    plt.close(fig)
+
+
+def test_memory_timeline_falls_back_to_memory_events(monkeypatch):
+    from kit import memory_timeline
+
+    def gone(prof, device):
+        raise AttributeError("export_memory_timeline")
+
+    monkeypatch.setattr(memory_timeline, "_from_export", gone)
+    step, psi = _tiny_train_step()
+    with pytest.warns(UserWarning, match="raw \\[memory\\] events"):
+        timeline = memory_timeline.record(step)
+    assert timeline.source == "memory events"
+    assert [name for name, _, _ in timeline.phases] == ["forward", "backward", "optimizer_step"]
+    # The raw events count what was allocated inside the call: the first step's AdamW state (8Ψ) at least.
+    assert max(timeline.total()) >= 8 * psi
+    with pytest.raises(TypeError, match="fn"):
+        memory_timeline.record(None)
 
 
 def test_save_results_stamps_every_file(tmp_path):
@@ -171,3 +243,20 @@ def test_what_to_work_on_names_the_stub_behind_a_dependent_check():
                "      failing: test_a (+1 more)")
     assert grouped in table, table
     assert "because that failed" not in table, table
+
+
+def test_score_table_columns_line_up_for_every_stage_title():
+    """Every stage's row of the score table has its bars where the header has them, the longest title included
+    (Stage 5's "Sharded data parallel: ZeRO-1 and FSDP" once broke the columns)."""
+    from kit import stages
+    from kit.grading.reporting import format_table
+    from kit.grading.scoring import GradeResult, TestResult
+
+    tests = [TestResult(nodeid=f"tests/x.py::test_{s.number}", stage=s.number, points=2.0, hidden=False,
+                        score=2.0 * (s.number % 2), status="passed" if s.number % 2 else "failed")
+             for s in stages.STAGES]
+    table = [line for line in format_table(GradeResult("demo", tests)).splitlines() if line.startswith("|")]
+    assert len(table) == len(stages.STAGES) + 3
+    bars = {tuple(i for i, ch in enumerate(line) if ch == "|") for line in table}
+    assert len(bars) == 1, "\n".join(table)
+    assert any(s.title in line for s in stages.STAGES for line in table if len(s.title) > 28)

@@ -232,15 +232,26 @@ def _documented_commands() -> list[tuple[str, str]]:
 def test_documented_commands_are_found():
     commands = [c for _, c in _documented_commands()]
     assert ".venv/bin/pytest -m stage1" in commands and "make grade STAGE=1" in commands, commands
-    assert any(c.startswith("pytest -m stage3") for c in commands), commands
+    assert any(c.startswith(".venv/bin/pytest -m stage3") for c in commands), commands
+
+
+def test_handout_test_commands_work_without_an_active_venv():
+    """A handout's `pytest …` in a shell whose virtualenv is not active finds another pytest, or none, and fails
+    with `No module named 'torch'`: every test command in a code block names the kit's .venv."""
+    plain = [f"{where}: {c}" for where, c in _documented_commands()
+             if where.startswith("handout/") and not c.startswith((".venv/bin/", "make "))]
+    assert not plain, "handout commands that need an activated venv:\n" + "\n".join(plain)
 
 
 @pytest.mark.parametrize("where, command", _documented_commands(), ids=lambda x: x)
 def test_documented_command_runs_as_written_in_the_release(built_release: Path, where: str, command: str):
-    """Typed in the release (virtualenv active), each documented command runs the stage's tests: they fail
-    on the stubs with the stubs' NotImplementedError, never with a usage or import error."""
-    proc = subprocess.run(command, shell=True, cwd=built_release, env=_student_env(built_release),
-                          capture_output=True, text=True, timeout=900)
+    """Typed in the release, each documented command runs the stage's tests: they fail on the stubs with the stubs'
+    NotImplementedError, never with a usage or import error. The shell has no virtualenv active, as a student's
+    fresh terminal: the commands must name .venv themselves (or go through make)."""
+    env = _student_env(built_release)
+    env["PATH"] = env["PATH"].split(os.pathsep, 1)[1]  # _student_env put .venv/bin first: a fresh shell has not
+    proc = subprocess.run(command, shell=True, cwd=built_release, env=env, capture_output=True, text=True,
+                          timeout=900)
     out = proc.stdout + proc.stderr
     where_and_what = f"`{command}` from {where} (exit {proc.returncode}):\n{out[-3000:]}"
     assert "Error importing plugin" not in out and "No module named" not in out, where_and_what
