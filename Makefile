@@ -16,7 +16,7 @@ STAMP := $(VENV)/.setup-stamp$(if $(GPU),-gpu)
 HAVE_REFERENCE := $(wildcard reference/__init__.py)
 export PYTHONDONTWRITEBYTECODE := 1
 
-.PHONY: help setup grade test test-reference test-kit lint student check-student release autograder check-handout soak \
+.PHONY: help setup grade test test-reference test-kit test-cluster lint student check-student release autograder check-handout soak \
         timings stages mutants answers notebooks bench doctor clean wheelhouse gpu-check new-stage bench-loop lab
 
 # `##` describes a target for `make help`; `##@instructor` marks one that needs reference/ (hidden in the student
@@ -59,6 +59,9 @@ test-reference: setup ##@instructor the whole suite (graded, kit, notebooks) aga
 
 test-kit: setup ##@instructor only the kit's own tests (grader, release, spawn helper)
 	$(PY) -m pytest tests/kit --impl reference
+
+test-cluster: setup ##@instructor sbatch the kit's SLURM script on a 2-node SLURM started here (root; apt-get install -y slurm-wlm munge; ~1 min)
+	LLMSYS_TEST_CLUSTER=1 $(PY) -m pytest tests/kit/test_cluster.py --impl reference -p no:cacheprovider -v -s
 
 lint: setup ## ruff
 	$(PY) -m ruff check .

@@ -3,6 +3,7 @@
     python -m benchmarks.bench_4d           # 8 ranks: dp8, dp4×tp2, dp2×tp2×pp2, dp2×pp2×ep2, tp2×pp2×ep2
     python -m benchmarks.bench_4d --smoke   # 2 ranks: dp2, tp2, pp2, ep2 (into bench-output/smoke/)
     python -m benchmarks.bench_4d --impl reference --save   # the committed benchmarks/results/ tables
+    torchrun --nnodes 2 --nproc-per-node 4 … -m benchmarks.bench_4d   # the same 8 ranks on two nodes
 
 One spawn runs every shape (each builds its own mesh in the same process group), all with the same global
 batch (4 sequences per rank; micro-batch 2, accumulation fills the rest). Step time is the median
@@ -19,8 +20,7 @@ from __future__ import annotations
 import statistics
 
 import kit  # noqa: F401 — sets TRITON_INTERPRET first
-from kit import bench
-from kit.spawn import run_on_ranks
+from kit import bench, launch
 
 FULL = [(8, 1, 1, 1), (4, 2, 1, 1), (2, 2, 2, 1), (2, 1, 2, 2), (1, 2, 2, 2)]  # (dp, tp, pp, ep)
 SMOKE = [(2, 1, 1, 1), (1, 2, 1, 1), (1, 1, 2, 1), (1, 1, 1, 2)]
@@ -110,6 +110,7 @@ def _rank(impl_name: str, shapes: list[tuple[int, int, int, int]], steps: int, m
     return rows
 
 
+@launch.exit_on_launch_error("bench_4d")
 def main(argv: list[str] | None = None) -> list[dict]:
     args = bench.parse(bench.parser(__doc__), argv)
     if args.smoke:
@@ -119,8 +120,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
         world, shapes, steps = 8, FULL, 4
         model = dict(vocab_size=512, context_length=64, d_model=128, d_ff=256, num_layers=4, num_heads=8)
     # One spawn runs every shape; rank 0 draws the progress bar.
-    per_rank = run_on_ranks(_rank, world, args=(args.impl, shapes, steps, model, 4 * world), timeout=600,
-                            backend="gloo")
+    per_rank = launch.on_ranks(_rank, world, args=(args.impl, shapes, steps, model, 4 * world), timeout=600,
+                               backend="gloo", what=f"bench_4d{' --smoke' if args.smoke else ''}'s meshes")
+    if not launch.is_main():
+        return per_rank[launch.launched().rank]  # under torchrun, rank 0 writes the tables
     rows = []
     for i, shape in enumerate(shapes):
         ranks = [r[i] for r in per_rank]

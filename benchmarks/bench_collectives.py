@@ -17,12 +17,13 @@ from __future__ import annotations
 import torch
 
 import kit  # noqa: F401 — sets TRITON_INTERPRET before anything imports triton
-from kit import bench
+from kit import bench, launch
 from kit.impl import load
 
 MB = 10**6
 
 
+@launch.exit_on_launch_error("bench_collectives")
 def main(argv: list[str] | None = None) -> list[dict]:
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     p = bench.parser(__doc__)
@@ -30,6 +31,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--world-sizes", nargs="+", type=int, default=None)
     p.add_argument("--iters", type=int, default=None)
     args = bench.parse(p, argv)
+    if launch.launched() is not None:
+        # Your all_reduce_benchmark (Stage 4) starts its own ranks for each world size, on this machine.
+        raise launch.LaunchError("bench_collectives spawns its own ranks on this machine, one set per world size: "
+                                 "run it with `python -m benchmarks.bench_collectives`, not under torchrun")
 
     if args.smoke:
         sizes_mb, worlds, warmup, iters = [0.01, 0.1], [2], 1, 2

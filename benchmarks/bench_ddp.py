@@ -4,6 +4,7 @@
     python -m benchmarks.bench_ddp --smoke      # seconds, any machine (into bench-output/smoke/)
     python -m benchmarks.bench_ddp --width 2048 --layers 16 --batch 32 --buckets 1 25 100
     python -m benchmarks.bench_ddp --impl reference --save   # the committed benchmarks/results/ tables
+    torchrun --nnodes 2 --nproc-per-node 8 … -m benchmarks.bench_ddp   # one rank per process, any nodes
 
 Run it from the repository root.
 The model is a stack of ``--layers`` Linear(width, width) layers with tanh: plenty of gradient bytes per
@@ -29,9 +30,9 @@ import torch.distributed as dist
 from torch import nn
 
 import kit  # noqa: F401 — sets TRITON_INTERPRET before anything imports triton
-from kit import bench
+from kit import bench, launch
 from kit.impl import load
-from kit.spawn import rank_device, run_on_ranks
+from kit.spawn import rank_device
 
 
 class Stack(nn.Module):
@@ -126,6 +127,7 @@ def _bench_rank(impl_name: str, methods: list[tuple[str, float | None]], width: 
 
 
 
+@launch.exit_on_launch_error("bench_ddp")
 def main(argv: list[str] | None = None) -> list[dict]:
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     p = bench.parser(__doc__)
@@ -145,14 +147,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
         width, layers, batch, warmup, iters, buckets = 1024, 12, 32, 2, 6, args.buckets
     width, layers, batch = args.width or width, args.layers or layers, args.batch or batch
     iters = args.iters or iters
-    world = args.world_size or (gpus if gpus >= 2 else 2)
-    backend = "nccl" if gpus >= world else "gloo"
+    # Under torchrun the launcher decides: WORLD_SIZE ranks, NCCL when each rank of a node has a GPU.
+    world = launch.world_size(args.world_size, gpus if gpus >= 2 else 2, option="--world-size")
+    backend = launch.backend_for(launch.launched(), world)
 
     methods: list[tuple[str, float | None]] = [("naive", None), ("flat", None), ("individual", None)]
     for mb in buckets:
         methods += [("bucketed", mb), ("torch DDP", mb)]
-    rows = run_on_ranks(_bench_rank, world, args=(args.impl, methods, width, layers, batch, warmup, iters),
-                        timeout=1200, backend=backend)[0]
+    rows = launch.on_ranks(_bench_rank, world, args=(args.impl, methods, width, layers, batch, warmup, iters),
+                           timeout=1200, backend=backend, what="bench_ddp")[0]
+    if not launch.is_main():
+        return rows  # under torchrun, rank 0 writes the tables
     torch_by_bucket = {r["bucket_mb"]: r["step_ms"] for r in rows if r["method"] == "torch DDP"}
     for r in rows:
         ref = torch_by_bucket.get(r["bucket_mb"]) if r["method"] == "bucketed" else None

@@ -4,6 +4,7 @@
     python -m benchmarks.bench_fsdp --smoke               # seconds, any machine (into bench-output/smoke/)
     python -m benchmarks.bench_fsdp --d-model 512 --layers 8 --compute-dtype bf16
     python -m benchmarks.bench_fsdp --impl reference --save   # the committed benchmarks/results/ tables
+    torchrun --nnodes 2 --nproc-per-node 8 … -m benchmarks.bench_fsdp   # one rank per process, any nodes
 
 Run it from the repository root. Every rank trains the kit Transformer with AdamW on its own part of
 each batch, in one spawn, with each implementation built side by side:
@@ -49,12 +50,12 @@ from typing import Any
 import torch
 
 import kit  # noqa: F401 — sets TRITON_INTERPRET before anything imports triton
-from kit import bench
+from kit import bench, launch
 from kit.comm_log import CommLog
 from kit.data import random_batch
 from kit.impl import load
 from kit.model import ModelConfig, TransformerLM, cross_entropy
-from kit.spawn import rank_device, run_on_ranks
+from kit.spawn import rank_device
 
 ADAMW = {"lr": 1e-3, "betas": (0.9, 0.95), "weight_decay": 0.1}
 MB = 2**20
@@ -236,9 +237,10 @@ def _predicted(impl: Any, name: str, psi: int, world: int, fsdp_shapes: dict | N
             "predicted_comm_mb": predicted_comm}
 
 
+@launch.exit_on_launch_error("bench_fsdp")
 def main(argv: list[str] | None = None) -> list[dict]:
     p = bench.parser(__doc__)
-    p.add_argument("--world-size", type=int, default=2, help="ranks (default 2)")
+    p.add_argument("--world-size", type=int, default=None, help="ranks (default 2; under torchrun its WORLD_SIZE)")
     p.add_argument("--d-model", type=int, default=None)
     p.add_argument("--layers", type=int, default=None)
     p.add_argument("--batch-size", type=int, default=None, help="sequences per rank")
@@ -248,23 +250,25 @@ def main(argv: list[str] | None = None) -> list[dict]:
                    help="implementations to compare (default: all; with --smoke: DDP, FSDP p1, fully_shard)")
     args = bench.parse(p, argv)
     impls = args.impls or (["DDP", "FSDP p1", "fully_shard"] if args.smoke else list(IMPLEMENTATIONS))
-    if args.world_size < 2:
-        p.error(f"--world-size must be at least 2, got {args.world_size}")
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    big = gpus >= args.world_size
+    world = launch.world_size(args.world_size, 2, option="--world-size")
+    if world < 2:
+        p.error(f"--world-size must be at least 2, got {world}")
+    big = launch.backend_for(launch.launched(), world) == "nccl"  # a GPU for every rank: GPU-sized runs
     d_model = args.d_model or (64 if args.smoke else 1024 if big else 256)
     layers = args.layers or (2 if args.smoke else 8 if big else 4)
     config = ModelConfig(vocab_size=512 if args.smoke else 4096, context_length=32 if args.smoke else 128,
                          d_model=d_model, d_ff=4 * d_model, num_layers=layers, num_heads=4).as_dict()
     batch = args.batch_size or (2 if args.smoke else 8 if big else 4)
     iters, warmup = args.iters or (1 if args.smoke else 10), 0 if args.smoke else 2
-    per_rank = run_on_ranks(measure_rank, args.world_size, args=(args.impl, config, batch, args.compute_dtype,
-                                                                 impls, warmup, iters),
-                            timeout=300 if args.smoke else 1800)
-    rows = summarize(per_rank, args.world_size, args.impl, args.compute_dtype)
+    per_rank = launch.on_ranks(measure_rank, world, args=(args.impl, config, batch, args.compute_dtype, impls,
+                                                          warmup, iters),
+                               timeout=300 if args.smoke else 1800, what="bench_fsdp")
+    if not launch.is_main():
+        return per_rank[launch.launched().rank]  # under torchrun, rank 0 writes the tables
+    rows = summarize(per_rank, world, args.impl, args.compute_dtype)
     params_m = next(r["params_m"] for r in rows if r.get("params_m") is not None)
     title = (f"FSDP vs DDP, ZeRO-1 and fully_shard: {params_m:.1f} M parameters, "
-             f"{args.world_size} ranks, {batch}×{config['context_length']} tokens per rank, "
+             f"{world} ranks, {batch}×{config['context_length']} tokens per rank, "
              f"compute dtype {args.compute_dtype}")
     bench.save("bench_fsdp", rows, args, title=title, columns=COLUMNS)
     for r in rows:

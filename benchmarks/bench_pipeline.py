@@ -3,6 +3,7 @@
     python -m benchmarks.bench_pipeline            # p ∈ {2, 4}, m ∈ {1, 2, 4, 8}, GPipe and 1F1B
     python -m benchmarks.bench_pipeline --smoke    # p = 2, m ∈ {2, 4}: a few seconds (into bench-output/smoke/)
     python -m benchmarks.bench_pipeline --impl reference --save   # the committed benchmarks/results/ tables
+    torchrun --nproc-per-node 4 -m benchmarks.bench_pipeline      # one depth: p = the launcher's WORLD_SIZE
 
 One spawn per pipeline depth p; inside it every (schedule, m) runs a warm-up step and timed steps. The
 measured bubble is 1 − (time stage 0 spent computing) / (step time). On a CPU with fewer cores than
@@ -15,8 +16,7 @@ from __future__ import annotations
 
 import kit  # noqa: F401 — sets TRITON_INTERPRET first
 import kit.impl
-from kit import bench
-from kit.spawn import run_on_ranks
+from kit import bench, launch
 
 
 def _rank(impl_name: str, p: int, ms: list[int], d_model: int, seq: int, mbs: int, iters: int) -> list[dict]:
@@ -51,6 +51,7 @@ def _rank(impl_name: str, p: int, ms: list[int], d_model: int, seq: int, mbs: in
     return rows
 
 
+@launch.exit_on_launch_error("bench_pipeline")
 def main(argv: list[str] | None = None) -> list[dict]:
     args = bench.parse(bench.parser(__doc__), argv)
     pp = kit.impl.load(args.impl).parallel.pipeline_parallel
@@ -58,10 +59,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
         depths, ms, d_model, seq, mbs, iters = [2], [2, 4], 32, 16, 2, 1
     else:
         depths, ms, d_model, seq, mbs, iters = [2, 4], [1, 2, 4, 8], 128, 64, 4, 3
+    depths = launch.world_sizes(None, depths, option="pipeline depth")
     rows = []
     for p in bench.progress(depths, "pipeline depth", unit="depth"):
-        per_rank = run_on_ranks(_rank, p, args=(args.impl, p, ms, d_model, seq, mbs, iters), timeout=600,
-                                backend="gloo")
+        per_rank = launch.on_ranks(_rank, p, args=(args.impl, p, ms, d_model, seq, mbs, iters), timeout=600,
+                                   backend="gloo", what="bench_pipeline")
+        if not launch.is_main():
+            return per_rank[launch.launched().rank]  # under torchrun, rank 0 writes the tables
         for kind in ("gpipe", "1f1b"):
             for m in ms:
                 stages = [next(r for r in rank_rows if r["schedule"] == kind and r["m"] == m) for rank_rows in per_rank]

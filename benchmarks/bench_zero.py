@@ -4,6 +4,7 @@
     python -m benchmarks.bench_zero --smoke               # seconds, any machine (into bench-output/smoke/)
     python -m benchmarks.bench_zero --world-sizes 2 4 --d-model 512 --layers 8
     python -m benchmarks.bench_zero --impl reference --save   # the committed benchmarks/results/ tables
+    torchrun --nnodes 2 --nproc-per-node 8 … -m benchmarks.bench_zero   # one world size: the launcher's
 
 Run it from the repository root.
 Every rank trains the same kit Transformer on the same batch, so gradients agree without any gradient
@@ -38,11 +39,11 @@ from typing import Any
 import torch
 
 import kit  # noqa: F401 — sets TRITON_INTERPRET before anything imports triton
-from kit import bench
+from kit import bench, launch
 from kit.data import random_batch
 from kit.impl import load
 from kit.model import ModelConfig, TransformerLM, cross_entropy
-from kit.spawn import rank_device, run_on_ranks
+from kit.spawn import rank_device
 
 OPTIMIZERS = ("AdamW", "ShardedOptimizer", "ZeroRedundancyOptimizer")
 ADAMW = {"lr": 1e-3, "betas": (0.9, 0.95), "weight_decay": 0.1}
@@ -190,6 +191,7 @@ def summarize(per_rank: list[list[dict]], world_size: int, impl_name: str) -> li
     return rows
 
 
+@launch.exit_on_launch_error("bench_zero")
 def main(argv: list[str] | None = None) -> list[dict]:
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     p = bench.parser(__doc__)
@@ -209,7 +211,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         d_model, layers, vocab, ctx, batch, warmup, iters, world_sizes = 256, 4, 4096, 64, 2, 2, 15, [2, 3]
     d_model, layers = args.d_model or d_model, args.layers or layers
     iters = args.iters or iters
-    world_sizes = args.world_sizes or world_sizes
+    world_sizes = launch.world_sizes(args.world_sizes, world_sizes, option="--world-sizes")
     heads = max(1, d_model // 64)
     config = {"vocab_size": vocab, "context_length": ctx, "d_model": d_model, "d_ff": 4 * d_model,
               "num_layers": layers, "num_heads": heads}
@@ -217,12 +219,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rows: list[dict] = []
     backends = set()
     for world_size in bench.progress(world_sizes, "zero", unit="world size"):
-        backend = "nccl" if gpus >= world_size else "gloo"
+        backend = launch.backend_for(launch.launched(), world_size)
         backends.add(backend)
-        per_rank = run_on_ranks(measure_rank, world_size,
-                                args=(args.impl, config, batch, list(OPTIMIZERS), warmup, iters),
-                                timeout=1200, backend=backend)
+        per_rank = launch.on_ranks(measure_rank, world_size,
+                                   args=(args.impl, config, batch, list(OPTIMIZERS), warmup, iters),
+                                   timeout=1200, backend=backend, what="bench_zero")
         rows += summarize(per_rank, world_size, args.impl)
+    if not launch.is_main():
+        return rows  # under torchrun, rank 0 writes the tables
     title = (f"ZeRO-1, {', '.join(sorted(backends))}: Transformer d_model={d_model}, {layers} layers, "
              f"vocab {vocab} ({rows[0]['params_m']:.2f} M params, fp32 AdamW)")
     bench.save("zero", rows, args, columns=COLUMNS, title=title)

@@ -24,7 +24,9 @@ Where results go — never over the committed tables by accident:
 * with ``--save`` into ``benchmarks/results/``, the committed tables. Only a full run (no ``--smoke``) of
   the reference (``--impl reference``) may write there; ``--out benchmarks/results`` obeys the same rule.
 
-Distributed benchmarks time a step on every rank with :func:`step_time`.
+Distributed benchmarks time a step on every rank with :func:`step_time`, start their ranks with
+:func:`kit.launch.on_ranks` (spawned here, or this process is one of torchrun's ranks) and let rank 0 alone save
+(:func:`kit.launch.is_main`).
 """
 
 from __future__ import annotations
@@ -87,19 +89,29 @@ def parse(p: argparse.ArgumentParser, argv: list[str] | None = None) -> argparse
 
 
 def progress(items: Iterable, desc: str, unit: str = "config"):
-    """A tqdm progress bar over ``items``; inside a process group only rank 0 draws it."""
+    """A tqdm progress bar over ``items``; inside a process group, or under a launcher, only rank 0 draws it."""
     import torch.distributed as dist
     from tqdm import tqdm
 
-    quiet = dist.is_available() and dist.is_initialized() and dist.get_rank() != 0
+    from .launch import is_main
+
+    # Under torchrun every process runs main(): rank 0 alone draws, before and inside the process group.
+    quiet = (dist.is_available() and dist.is_initialized() and dist.get_rank() != 0) or not is_main()
     return tqdm(items, desc=desc, unit=unit, disable=quiet, dynamic_ncols=True)
 
 
 def save(name: str, rows: list[dict], args: argparse.Namespace, *, title: str,
          columns: list[str] | None = None) -> dict[str, Path]:
     """Print the markdown table and write ``<name>.{md,csv,json}`` into ``args.out``, stamped with the device,
-    versions, date, command and implementation. Returns the paths by suffix."""
-    return save_results(name, rows, out_dir=args.out, columns=columns, title=title, stamp={"impl": args.impl})
+    versions, date, command and implementation (and the launcher, under torchrun). Returns the paths by suffix."""
+    from .launch import launched
+
+    stamp = {"impl": args.impl}
+    launch = launched()
+    if launch is not None:  # the command alone does not say how many processes, on how many machines, ran it
+        nodes = f", {launch.nodes} node(s) × {launch.local_world_size}" if launch.nodes else ""
+        stamp["launcher"] = f"{'torchrun' if launch.torchrun else 'environment'}: {launch.world_size} ranks{nodes}"
+    return save_results(name, rows, out_dir=args.out, columns=columns, title=title, stamp=stamp)
 
 
 def subplots(*args: Any, **kwargs: Any):

@@ -40,17 +40,19 @@ def init_distributed(backend: str | None = None) -> tuple[int, int]:
     """Join the process group when launched by ``torchrun`` (reads RANK, WORLD_SIZE, MASTER_ADDR/PORT).
 
     Returns ``(rank, world_size)``. Sets one thread per rank on CPU and the CUDA device under NCCL.
+    :mod:`kit.launch` does the work: it checks the launcher's environment first and bounds the rendezvous.
+
+    Raises:
+        kit.launch.LaunchError: no launcher started this process, or it started it wrongly (the message says how).
     """
-    import torch
     import torch.distributed as dist
 
+    from kit.launch import HOW_TO_LAUNCH, LaunchError, join, launched
+
     if not dist.is_initialized():
-        world_size = int(os.environ.get("WORLD_SIZE", "1"))
-        backend = backend or default_backend(world_size)
-        if backend == "gloo":
-            default_gloo_interface()
-            torch.set_num_threads(1)
-        else:
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend)
+        launch = launched()
+        if launch is None:
+            raise LaunchError(f"init_distributed: no launcher started this process (no $RANK, $WORLD_SIZE): "
+                              f"{HOW_TO_LAUNCH}")
+        join(launch, backend)
     return dist.get_rank(), dist.get_world_size()

@@ -21,8 +21,9 @@ each computed over that micro-batch's tokens), averaged over micro-batches and d
 reported loss is the cross-entropy alone, averaged the same way.
 
 Run it: ``python -m reference.parallel.train_4d --dp 2 --tp 2 --pp 2 --ep 1`` spawns 8 CPU ranks with
-the kit's helper; under ``torchrun --nproc-per-node 8 -m reference.parallel.train_4d --dp 2 …`` it joins
-the launcher's process group (one or several nodes; see ``train_4d.slurm``).
+the kit's helper; under ``torchrun --nproc-per-node 8 -m reference.parallel.train_4d --dp 2 …`` each process
+is one rank of the launcher's process group (one or several nodes; see ``train_4d.slurm`` and
+:mod:`kit.launch`).
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING
@@ -314,8 +314,8 @@ def train_on_ranks(cfg: Train4DConfig, *, timeout: float = 300.0) -> list[dict]:
     return run_on_ranks(_spawned, cfg.world_size, args=(cfg_dict,), timeout=timeout, backend="gloo")
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Command line: under torchrun, join its process group; otherwise spawn the ranks on this CPU."""
+def config_from_args(argv: list[str] | None = None) -> Train4DConfig:
+    """The :class:`Train4DConfig` the command line ``argv`` asks for (a bad combination is a usage error)."""
     ap = argparse.ArgumentParser(description="Train a tiny MoE Transformer on a dp × tp × pp × ep mesh.")
     for axis, default in (("dp", 2), ("tp", 2), ("pp", 2), ("ep", 1)):
         ap.add_argument(f"--{axis}", type=int, default=default)
@@ -327,22 +327,44 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--zero", action="store_true", help="ZeRO-1 (Stage 5) for the dense parameters")
     args = ap.parse_args(argv)
     gbs = args.global_batch_size or args.micro_batch_size * args.grad_accum_steps * args.dp * args.ep
-    cfg = Train4DConfig(dp=args.dp, tp=args.tp, pp=args.pp, ep=args.ep, global_batch_size=gbs,
-                        micro_batch_size=args.micro_batch_size, grad_accum_steps=args.grad_accum_steps,
-                        steps=args.steps, schedule=args.schedule, zero=args.zero)
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # launched by torchrun
-        from kit.spawn import init_distributed
+    try:
+        return Train4DConfig(dp=args.dp, tp=args.tp, pp=args.pp, ep=args.ep, global_batch_size=gbs,
+                             micro_batch_size=args.micro_batch_size, grad_accum_steps=args.grad_accum_steps,
+                             steps=args.steps, schedule=args.schedule, zero=args.zero)
+    except (TypeError, ValueError) as exc:
+        ap.error(str(exc))
+        raise  # unreachable: ap.error exits
 
-        init_distributed()
-        device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-        out = train(cfg.with_(device_type=device))
-        if dist.get_rank() == 0:
-            print(json.dumps({"losses": out["losses"], "step_s": out["step_s"]}))
-        dist.destroy_process_group()
-        return
-    results = train_on_ranks(cfg)
-    for step, loss in enumerate(results[0]["losses"]):
-        print(f"step {step}: loss {loss:.4f}  ({results[0]['step_s'][step] * 1e3:.0f} ms)")
+
+def main(argv: list[str] | None = None) -> None:
+    """Command line. Under torchrun (one node or several) this process is one rank of the launcher's process
+    group; without a launcher it spawns the ``dp·tp·pp·ep`` ranks on this CPU. Either way it prints each step's
+    loss, then one JSON line ``{"losses": [...], "step_s": [...], "world_size": W, "launcher": ...}`` (under
+    torchrun, rank 0 alone prints). A launch that cannot work (a world size other than dp·tp·pp·ep, a missing
+    rendezvous) prints why and exits with status 2 before any rank waits (:mod:`kit.launch`)."""
+    from kit.launch import exit_on_launch_error, join, launched, leave, require_world_size
+
+    with exit_on_launch_error("train_4d"):
+        cfg = config_from_args(argv)
+        launch = launched()
+        if launch is None:
+            out = train_on_ranks(cfg)[0]
+        else:
+            mesh = f"--dp {cfg.dp} --tp {cfg.tp} --pp {cfg.pp} --ep {cfg.ep} (dp·tp·pp·ep)"
+            require_world_size(cfg.world_size, mesh, launch)
+            if launch.rank == 0 and launch.local_world_size < launch.world_size and launch.local_world_size % cfg.tp:
+                print(f"train_4d: note: tp={cfg.tp} does not divide the {launch.local_world_size} ranks per node, so "
+                      "tensor-parallel groups span nodes, over the slowest links (handout 06 §1)", flush=True)
+            backend = join(launch)
+            out = train(cfg.with_(device_type="cuda" if backend == "nccl" else "cpu"))
+            leave()
+            if launch.rank != 0:
+                return
+    for step, loss in enumerate(out["losses"]):
+        print(f"step {step}: loss {loss:.4f}  ({out['step_s'][step] * 1e3:.0f} ms)")
+    launcher = "spawn" if launch is None else "torchrun" if launch.torchrun else "environment"
+    print(json.dumps({"losses": out["losses"], "step_s": out["step_s"], "world_size": cfg.world_size,
+                      "launcher": launcher}), flush=True)
 
 
 if __name__ == "__main__":

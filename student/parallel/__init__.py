@@ -11,6 +11,17 @@ One module per idea:
 * :mod:`.accounting` — memory per device and communication volume per step, on paper.
 """
 
-from . import accounting, expert_parallel, mesh, pipeline_parallel, tensor_parallel, train_4d
+from . import expert_parallel, mesh, pipeline_parallel, tensor_parallel
 
 __all__ = ["accounting", "expert_parallel", "mesh", "pipeline_parallel", "tensor_parallel", "train_4d"]
+
+
+def __getattr__(name: str):
+    # train_4d (and accounting, which imports it) are imported on first use, not here: `python -m
+    # <package>.parallel.train_4d` (torchrun, SLURM) then runs it once, as __main__, instead of importing a second
+    # copy first (runpy's RuntimeWarning on every rank).
+    if name in ("accounting", "train_4d"):
+        import importlib
+
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

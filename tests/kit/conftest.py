@@ -16,3 +16,16 @@ def impl() -> impl_module.Implementation:
     """The implementation in this process, for the kit's own tests of it (tuning caches, compile checks).
     Graded tests never have it: they reach the implementation through workers (kit.checks)."""
     return impl_module.load()
+
+
+@pytest.fixture
+def launches(tmp_path):
+    """Start real launchers (torchrun, SLURM's daemons) with :class:`launching.Processes`: every process they
+    start is marked, and whatever is still alive when the test ends is killed — and then must be gone."""
+    from launching import Processes
+
+    procs = Processes(tmp_path)
+    yield procs
+    procs.close()
+    left = procs.leftovers()
+    assert not left, "processes survived SIGKILL at teardown:\n" + "\n".join(left)
