@@ -52,7 +52,8 @@ params = 2 * vocab * d_model + layers * (4 * d_model**2 + 3 * d_model * d_ff)
 rows = [
     ("logits, bf16", 2 * logits),
     ("logits upcast to fp32", 4 * logits),
-    ("naive loss at its peak (bf16 + fp32 copy + fp32 log-softmax)", (2 + 4 + 4) * logits),
+    ("naive loss, forward peak (bf16 + fp32 copy + fp32 log-softmax)", (2 + 4 + 4) * logits),
+    ("naive loss, backward peak (log-softmax + 2 fp32 gradients)", (4 + 4 + 4) * logits),
     ("largest activation of a layer: MLP tokens × d_ff, bf16", 2 * tokens * d_ff),
     ("the residual stream tokens × d, bf16", 2 * tokens * d_model),
     ("all weights, bf16", 2 * params),
