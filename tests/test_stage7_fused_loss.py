@@ -349,11 +349,12 @@ def test_fused_loss_gradients_match_float64(worker, dtype):
 
 @pytest.mark.points(2)
 def test_fused_loss_gradients_accumulate_in_fp32(worker):
-    """bf16, 32 vocabulary tiles summed into dH and 32 token tiles into dW, with partial sums far larger than the
-    result: rounding each partial sum to bf16 loses the answer; accumulating in fp32 does not."""
+    """bf16, 1,024 vocabulary entries summed into dH and 1,024 tokens into dW — dozens of tiles at any interpreter
+    tile size — with partial sums far larger than the result: rounding each partial sum to bf16 loses the answer;
+    accumulating in fp32 does not."""
     # dH_t ∝ Σ_v p_tv W_v − W_{y_t}. With W_v = 16 + ε_v the partial sums over vocabulary tiles grow to ≈ 16 while
     # the result is ≈ ε (about 1): each bf16 rounding of a partial sum costs up to half an ulp of 16 = 0.06, and
-    # 32 of them swamp it. Symmetrically for dW_v ∝ Σ_t p_tv h_t − Σ_{y_t = v} h_t with h_t = 16 + ε_t over 1024
+    # tens of them swamp it. Symmetrically for dW_v ∝ Σ_t p_tv h_t − Σ_{y_t = v} h_t with h_t = 16 + ε_t over 1024
     # tokens. Plain PyTorch rounds each gradient once (fp32 accumulation inside its bf16 matmul): the tolerance.
     g = torch.Generator().manual_seed(3)
     cases = []
