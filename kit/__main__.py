@@ -1,5 +1,5 @@
 """The kit's command line, what a student's copy and a grading machine use:
-``python -m kit {grade,autograde,check-handout,stages,doctor,nsys-summary}``.
+``python -m kit {grade,autograde,check-handout,stages,doctor,nsys-summary,leaderboard}``.
 
 ``--help`` on each for details. The instructor's tools (release, autograder bundle, mutants, answer key,
 GPU check, timings) are ``python -m instructor``, which never ships.
@@ -190,7 +190,16 @@ def main(argv: list[str] | None = None) -> int:
     n.add_argument("kern_csv", nargs="?", help="CSV of `nsys stats --report cuda_gpu_kern_sum --format csv`")
     n.set_defaults(func=cmd_nsys_summary)
 
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    sub.add_parser("leaderboard", add_help=False,
+                   help="time a whole training step after a correctness gate; --collect DIR ranks entries "
+                        "(python -m kit leaderboard --help)")
+
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["leaderboard"]:  # its own parser, options and all (kit/leaderboard.py)
+        from kit.leaderboard import main as leaderboard
+
+        return leaderboard(argv[1:])
+    args = parser.parse_args(argv)
     return args.func(args)
 
 
