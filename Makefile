@@ -17,7 +17,7 @@ HAVE_REFERENCE := $(wildcard reference/__init__.py)
 export PYTHONDONTWRITEBYTECODE := 1
 
 .PHONY: help setup grade test test-reference test-kit lint student check-student release autograder check-handout soak \
-        timings stages mutants answers notebooks bench doctor clean wheelhouse gpu-check new-stage
+        timings stages mutants answers notebooks bench doctor clean wheelhouse gpu-check new-stage leaderboard
 
 # `##` describes a target for `make help`; `##@instructor` marks one that needs reference/ (hidden in the student
 # release), `##@student` one that only the student release has.
@@ -112,6 +112,9 @@ notebooks: setup ## regenerate notebooks/*.ipynb from their jupytext .py twins
 bench: setup ## run every benchmark on IMPL (default student) into bench-output/ (SAVE=1: over the committed tables in benchmarks/results/)
 	@for b in benchmarks/bench_*.py; do m=benchmarks.$$(basename $$b .py); echo "== python -m $$m"; \
 	    $(PY) -m $$m --impl $(IMPL) $(if $(SAVE),--save) || exit 1; done
+
+leaderboard: setup ## a whole training step: correctness gate, then timing → an entry (TASK=cpu|gpu1|gpu2-8b, STEP=naive, COLLECT=dir)
+	$(PY) -m kit leaderboard $(if $(COLLECT),--collect $(COLLECT),--task $(or $(TASK),cpu) --impl $(IMPL) $(if $(STEP),--step $(STEP)))
 
 doctor: setup ## what this machine can run
 	$(PY) -m kit doctor

@@ -386,33 +386,27 @@ def compare(records: list[dict], reference: dict, config: dict[str, Any], *, sec
     """What is wrong with the step's ``records`` (one per rank, from :func:`record_steps`) against the naive
     ``reference`` (:func:`naive_reference`): a list of teaching messages, empty when the step passes.
 
-    Checked in this order (each message names the quantity, the tolerance and the worst element): every rank's
-    losses against the reference's over the k steps; rank 0's gradients after the first step (and whether they
-    look unaveraged: equal to one rank's own gradient, or to the sum over ranks); rank 0's parameters after the
-    first step; every rank holds the same parameters.
+    Checked in this order, the most telling first (each message names the quantity, the tolerance and the worst
+    element): rank 0's gradients after the first step (and whether they look unaveraged: equal to one rank's own
+    gradient, or a multiple of the right one); rank 0's parameters after the first step; every rank's losses
+    against the reference's over the k steps; every rank holds the same parameters.
     """
     import torch
 
     world = len(records)
     tol = tolerances(config, tokens=reference["tokens"])
     failures: list[str] = []
-    for r, rec in enumerate(records):
-        got, want = rec.get("losses", []), reference["losses"]
-        if len(got) != len(want):
-            failures.append(f"rank {r}: {len(got)} losses for {len(want)} steps. See {section}.")
-            continue
-        for s, (a, e) in enumerate(zip(got, want)):
-            allowed = tol.loss_rtol * (1 + s) * abs(e)
-            if not (math.isfinite(a) and abs(a - e) <= allowed):
-                failures.append(
-                    f"rank {r}: the loss of step {s + 1} is {a:.7g}, the naive step's {e:.7g}: |diff| "
-                    f"{abs(a - e):.3g} > allowed {allowed:.3g} ({tol.loss_rtol:.3g} relative × {1 + s}; {tol.why}). "
-                    "The loss returned is "
-                    f"the mean over the global batch's tokens, the same on every rank. See {section}.")
-                break
-        if failures:  # one rank's wrong loss says enough
-            break
     first = records[0]
+    params, want_params, initial = first.get("params", {}), reference["params"], reference["initial"]
+    shared = [n for n in initial if n in params and params[n].shape == initial[n].shape]
+    if shared:  # AdamW's first step moves a weight by at most lr·(1 + λ|p|): far more means another start
+        distance = torch.cat([(params[n].double() - initial[n].double()).abs().flatten() for n in shared]).median()
+        if float(distance) > 20 * config["lr"]:
+            failures.append(
+                f"rank 0: after the first step the parameters are a median {float(distance):.3g} away from the seeded "
+                f"initial weights, where one AdamW step moves each by at most about lr = {config['lr']:g}: the model "
+                "did not start from TransformerLM(config.model) built right after torch.manual_seed(config.seed). "
+                f"See {section}.")
     grads, want_grads = first.get("grads", {}), reference["grads"]
     missing = sorted(set(want_grads) - set(grads))
     if missing:
@@ -436,7 +430,6 @@ def compare(records: list[dict], reference: dict, config: dict[str, Any], *, sec
                 f"{i} (got {float(g.flatten()[i]):.6g}, expected {float(e.flatten()[i]):.6g}); allowed "
                 f"{tol.grad:.3g} × max|g| = {tol.grad * scale:.3g} ({tol.why}).{hint} See {section}.")
             break  # the first parameter off says enough; the rest follow from it
-    params, want_params, initial = first.get("params", {}), reference["params"], reference["initial"]
     for name in want_params:
         if name not in params or name not in want_grads:
             continue
@@ -444,6 +437,22 @@ def compare(records: list[dict], reference: dict, config: dict[str, Any], *, sec
         if message:
             failures.append(f"rank 0: the parameter {name} after the first step {message} See {section}.")
             break
+    for r, rec in enumerate(records):
+        got, want = rec.get("losses", []), reference["losses"]
+        if len(got) != len(want):
+            failures.append(f"rank {r}: {len(got)} losses for {len(want)} steps. See {section}.")
+            continue
+        for s, (a, e) in enumerate(zip(got, want)):
+            allowed = tol.loss_rtol * (1 + s) * abs(e)
+            if not (math.isfinite(a) and abs(a - e) <= allowed):
+                failures.append(
+                    f"rank {r}: the loss of step {s + 1} is {a:.7g}, the naive step's {e:.7g}: |diff| "
+                    f"{abs(a - e):.3g} > allowed {allowed:.3g} ({tol.loss_rtol:.3g} relative × {1 + s}; {tol.why}). "
+                    "The loss returned is "
+                    f"the mean over the global batch's tokens, the same on every rank. See {section}.")
+                break
+        if any(f.startswith("rank ") and "the loss of step" in f for f in failures):
+            break  # one rank's wrong loss says enough
     for r, rec in enumerate(records[1:], start=1):
         for name, p in rec.get("params", {}).items():
             if name in params and not torch.equal(p, params[name]):
@@ -456,7 +465,16 @@ def compare(records: list[dict], reference: dict, config: dict[str, Any], *, sec
 
 
 def _unaveraged_hint(g: Any, reference: dict, name: str, world: int, allowed: float) -> str:
-    """A hint when rank 0's gradient is one rank's own (never averaged) or the sum over the ranks (not divided)."""
+    """A hint when rank 0's gradient is one rank's own (never averaged), or a multiple of the right one (a loss
+    summed where it should be averaged: over the ranks, or over micro-batches)."""
+    e = reference["grads"][name].double()
+    ratio = float((g * e).sum() / (e * e).sum()) if float((e * e).sum()) > 0 else 1.0
+    if math.isfinite(ratio) and abs(ratio - 1) > 0.05 and float((g - ratio * e).abs().max()) <= allowed * abs(ratio):
+        which = (f"summed over the {world} ranks, not averaged across them (divide by the world size)"
+                 if world > 1 and abs(ratio - world) < 0.05 else
+                 "a loss summed where the mean belongs: over micro-batches, divide each one's loss by their number; "
+                 "over ranks, divide the all-reduced sum by the world size")
+        return f" It is {ratio:.3g}× the expected gradient everywhere: {which}."
     shards = reference.get("shard_grads")
     if not shards or world < 2:
         return ""
@@ -464,10 +482,6 @@ def _unaveraged_hint(g: Any, reference: dict, name: str, world: int, allowed: fl
     if float((g - own).abs().max()) <= allowed:
         return (" It equals the gradient of rank 0's own rows: the gradients were not averaged across the ranks "
                 "(handout 04 §2).")
-    total = sum(s[name].double() for s in shards) / len(shards) * world
-    if float((g - total).abs().max()) <= allowed * world:
-        return (f" It is {world}× the expected gradient: summed over the ranks, not averaged across them "
-                "(divide by the world size).")
     return ""
 
 

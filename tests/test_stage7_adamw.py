@@ -145,8 +145,9 @@ def _resumed(master: bool) -> dict[str, Any]:
 
 
 class _PerTensorWork(TorchDispatchMode):
-    """Records the operators dispatched on tensors with more than one element that are neither ``_foreach`` ops
-    nor allocations: the work a Python loop over the parameters would launch once per tensor."""
+    """Records the operators dispatched on tensors with more than one element that are neither ``_foreach`` ops,
+    nor allocations, nor views (a view launches no kernel): the work a Python loop over the parameters would launch
+    once per tensor."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -155,8 +156,8 @@ class _PerTensorWork(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = str(func.overloadpacket.__name__)
         tensors = [a for a in torch.utils._pytree.tree_leaves((args, kwargs or {})) if isinstance(a, torch.Tensor)]
-        allocation = name.startswith("empty") or name in ("new_empty", "new_empty_strided", "detach", "alias")
-        if not name.startswith("_foreach") and not allocation and any(t.numel() > 1 for t in tensors):
+        free = name.startswith("empty") or name in ("new_empty", "new_empty_strided") or func.is_view
+        if not name.startswith("_foreach") and not free and any(t.numel() > 1 for t in tensors):
             self.ops.append(str(func))
         return func(*args, **(kwargs or {}))
 
