@@ -625,7 +625,9 @@ def run_entry(task: Task, *, kind: str = "student", options: dict[str, Any] | No
                        "steps": task.steps if steps is None else steps})
     start = time.perf_counter()
     entry: dict[str, Any] = {"format": FORMAT, "task": task.name, "kind": kind, "name": name or kind,
-                             "options": options, "config": step_config(task, options, gate=False)}
+                             "options": options, "config": step_config(task, options, gate=False),
+                             "ranks": task.world, "global_batch": task.batch,
+                             "threads_per_rank": 1 if task.device == "cpu" else None}
     with _empty_compile_caches():
         log(f"gate: {task.gate_steps} steps of the small instance on {task.world} rank(s), against the naive step")
         result = gate(task, options, builder, timeout=task.budget_s)

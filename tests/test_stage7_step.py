@@ -22,6 +22,7 @@ import importlib
 from typing import Any
 
 import pytest
+import torch
 
 import kit.impl
 from kit import leaderboard
@@ -57,8 +58,14 @@ TWO_RANKS = {
 
 
 def config(**choices: Any) -> dict[str, Any]:
-    """StepConfig's fields as data: the test model, seed 0, the leaderboard's AdamW options, and ``choices``."""
-    return {"model": MODEL.as_dict(), "seed": 0, **leaderboard.OPTIMIZER, "device": "cpu", **choices}
+    """StepConfig's fields as data: the test model, seed 0, the leaderboard's AdamW options, and ``choices``. A step
+    with Triton kernels runs on the GPU where there is one (``make gpu-check`` runs these tests compiled)."""
+    return {"model": MODEL.as_dict(), "seed": 0, **leaderboard.OPTIMIZER, "device": device_for(choices), **choices}
+
+
+def device_for(choices: dict[str, Any]) -> str:
+    triton = choices.get("loss") == "fused" or choices.get("attention") == "flash_triton"
+    return "cuda" if triton and torch.cuda.is_available() else "cpu"
 
 
 def global_batches() -> list:

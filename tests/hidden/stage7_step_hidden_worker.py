@@ -49,7 +49,11 @@ def adamw_schedule() -> list[dict[str, torch.Tensor]]:
 
 
 def config(model: ModelConfig, **choices: Any) -> dict[str, Any]:
-    return {"model": model.as_dict(), "seed": 3, **leaderboard.OPTIMIZER, "device": "cpu", **choices}
+    """A step with the Triton FlashAttention runs on the GPU where there is one (``make gpu-check`` runs the hidden
+    tests compiled)."""
+    gpu = choices.get("attention") == "flash_triton" and torch.cuda.is_available()
+    return {"model": model.as_dict(), "seed": 3, **leaderboard.OPTIMIZER, "device": "cuda" if gpu else "cpu",
+            **choices}
 
 
 def other_batches(global_batch: int) -> list:
