@@ -17,7 +17,7 @@ HAVE_REFERENCE := $(wildcard reference/__init__.py)
 export PYTHONDONTWRITEBYTECODE := 1
 
 .PHONY: help setup grade test test-reference test-kit test-cluster lint student check-student release autograder check-handout soak \
-        timings stages mutants answers notebooks bench doctor clean wheelhouse gpu-check new-stage bench-loop lab
+        timings stages mutants answers notebooks bench doctor clean wheelhouse gpu-check new-stage bench-loop lab leaderboard
 
 # `##` describes a target for `make help`; `##@instructor` marks one that needs reference/ (hidden in the student
 # release), `##@student` one that only the student release has.
@@ -131,6 +131,9 @@ bench: setup ## run every benchmark on IMPL (default student) into bench-output/
 
 bench-loop: setup ##@instructor time the feedback loop (each stage's tests, the graded suite, the stubs, spawns) → benchmarks/results/loop.*
 	$(PY) -m benchmarks.bench_loop --impl reference --save
+
+leaderboard: setup ## a whole training step: correctness gate, then timing → an entry (TASK=cpu|gpu1|gpu2-8b, STEP=naive, COLLECT=dir)
+	$(PY) -m kit leaderboard $(if $(COLLECT),--collect $(COLLECT),--task $(or $(TASK),cpu) --impl $(IMPL) $(if $(STEP),--step $(STEP)))
 
 doctor: setup ## what this machine can run
 	$(PY) -m kit doctor

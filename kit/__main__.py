@@ -1,5 +1,5 @@
 """The kit's command line, what a student's copy and a grading machine use:
-``python -m kit {grade,autograde,check-handout,stages,doctor,nsys-summary}``.
+``python -m kit {grade,autograde,check-handout,stages,doctor,nsys-summary,leaderboard}``.
 
 ``--help`` on each for details. The instructor's tools (release, autograder bundle, mutants, answer key,
 GPU check, timings) are ``python -m instructor``, which never ships.
@@ -195,7 +195,16 @@ def main(argv: list[str] | None = None) -> int:
                    help="steps in the capture (bench_model's --iters): adds invocations per step")
     n.set_defaults(func=cmd_nsys_summary)
 
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    sub.add_parser("leaderboard", add_help=False,
+                   help="time a whole training step after a correctness gate; --collect DIR ranks entries "
+                        "(python -m kit leaderboard --help)")
+
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["leaderboard"]:  # its own parser, options and all (kit/leaderboard.py)
+        from kit.leaderboard import main as leaderboard
+
+        return leaderboard(argv[1:])
+    args = parser.parse_args(argv)
     return args.func(args)
 
 
