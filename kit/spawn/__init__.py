@@ -36,12 +36,11 @@ from kit import validate
 
 from .messages import errors_of, failure_message, limit_message
 from .parent import spawn
-from .rank import default_backend, init_distributed, rank_device
+from .rank import default_backend, rank_device
 
 __all__ = [
     "RankFailedError",
     "RankTimeoutError",
-    "init_distributed",
     "rank_device",
     "run_on_ranks",
 ]

@@ -1,4 +1,4 @@
-"""Inside a rank: its device, its process group under torchrun, the gloo interface."""
+"""Inside a rank: its backend, its device, the gloo interface. (A torchrun rank joins through :mod:`kit.launch`.)"""
 
 from __future__ import annotations
 
@@ -34,25 +34,3 @@ def default_gloo_interface() -> None:
             os.environ["GLOO_SOCKET_IFNAME"] = "lo"
         elif sys.platform == "darwin":
             os.environ["GLOO_SOCKET_IFNAME"] = "lo0"
-
-
-def init_distributed(backend: str | None = None) -> tuple[int, int]:
-    """Join the process group when launched by ``torchrun`` (reads RANK, WORLD_SIZE, MASTER_ADDR/PORT).
-
-    Returns ``(rank, world_size)``. Sets one thread per rank on CPU and the CUDA device under NCCL.
-    :mod:`kit.launch` does the work: it checks the launcher's environment first and bounds the rendezvous.
-
-    Raises:
-        kit.launch.LaunchError: no launcher started this process, or it started it wrongly (the message says how).
-    """
-    import torch.distributed as dist
-
-    from kit.launch import HOW_TO_LAUNCH, LaunchError, join, launched
-
-    if not dist.is_initialized():
-        launch = launched()
-        if launch is None:
-            raise LaunchError(f"init_distributed: no launcher started this process (no $RANK, $WORLD_SIZE): "
-                              f"{HOW_TO_LAUNCH}")
-        join(launch, backend)
-    return dist.get_rank(), dist.get_world_size()
