@@ -104,13 +104,12 @@ def save(name: str, rows: list[dict], args: argparse.Namespace, *, title: str,
          columns: list[str] | None = None) -> dict[str, Path]:
     """Print the markdown table and write ``<name>.{md,csv,json}`` into ``args.out``, stamped with the device,
     versions, date, command and implementation (and the launcher, under torchrun). Returns the paths by suffix."""
-    from .launch import launched
+    from .launch import describe, launched
 
     stamp = {"impl": args.impl}
     launch = launched()
-    if launch is not None:  # the command alone does not say how many processes, on how many machines, ran it
-        nodes = f", {launch.nodes} node(s) × {launch.local_world_size}" if launch.nodes else ""
-        stamp["launcher"] = f"{'torchrun' if launch.torchrun else 'environment'}: {launch.world_size} ranks{nodes}"
+    if launch is not None:
+        stamp["launcher"] = describe(launch)
     return save_results(name, rows, out_dir=args.out, columns=columns, title=title, stamp=stamp)
 
 

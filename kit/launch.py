@@ -1,7 +1,8 @@
 """How a distributed entry point starts: under ``torchrun`` (any number of nodes), or alone on this machine.
 
 Every distributed command of the kit — the Stage 6 trainer (``python -m student.parallel.train_4d``), the DDP,
-ZeRO, FSDP, pipeline and 4D benchmarks — runs either way (``bench_collectives`` spawns its own ranks and refuses):
+ZeRO, FSDP, pipeline and 4D benchmarks, the whole-step leaderboard (``python -m kit leaderboard``) — runs either
+way (``bench_collectives`` spawns its own ranks and refuses):
 
 * **alone** (``python -m …``): this process spawns the ranks on this machine with
   :func:`kit.spawn.run_on_ranks` and is not one of them;
@@ -37,8 +38,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Launch", "LaunchError", "backend_for", "exit_on_launch_error", "is_main", "join", "launched", "leave",
-           "on_ranks", "require_world_size", "world_size", "world_sizes"]
+__all__ = ["Launch", "LaunchError", "backend_for", "describe", "exit_on_launch_error", "is_main", "join", "launched",
+           "leave", "on_ranks", "require_world_size", "world_size", "world_sizes"]
 
 BACKEND_ENV = "LLMSYS_BACKEND"
 RENDEZVOUS_TIMEOUT_ENV = "LLMSYS_RENDEZVOUS_TIMEOUT"
@@ -119,6 +120,14 @@ def launched(environ: Mapping[str, str] | None = None) -> Launch | None:
     return Launch(rank=rank, world_size=world, local_rank=local_rank, local_world_size=local_world,
                   master_addr=env["MASTER_ADDR"], master_port=port, nodes=nodes,
                   torchrun="TORCHELASTIC_RUN_ID" in env)
+
+
+def describe(launch: Launch) -> str:
+    """How the job was launched, for a result's stamp: ``torchrun: 4 ranks, 2 node(s) × 2`` (``environment:`` when
+    the variables were set by something other than torchrun's agent). The command alone does not say how many
+    processes, on how many machines, ran it."""
+    nodes = f", {launch.nodes} node(s) × {launch.local_world_size}" if launch.nodes else ""
+    return f"{'torchrun' if launch.torchrun else 'environment'}: {launch.world_size} ranks{nodes}"
 
 
 def world_size(requested: int | None, default: int, *, option: str) -> int:

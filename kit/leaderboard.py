@@ -33,6 +33,17 @@ folder of entries by median step time per task, with the baselines (the naive st
 ``benchmarks/results/leaderboard/``); an entry that failed its gate, ran over budget, was edited after it was
 written, or whose files' hash does not match the code next to it (``DIR/<entry name>/``, when present) is
 listed as such, unranked.
+
+**Under torchrun** (``torchrun --nnodes 2 --nproc-per-node 1 … -m kit leaderboard --task cpu``; one torchrun per
+node, as every distributed command: :mod:`kit.launch`) each process is one rank of the task: the task's ranks must
+be torchrun's ``WORLD_SIZE`` (else a message naming both and exit status 2, before any rank waits for a peer).
+Every process joins the process group once: the gate's ranks send their records to rank 0, which computes the naive
+step and compares, and tells the others whether to time; the same ranks then time the task. Rank 0 alone prints
+and writes the entry, stamped with the launch (``environment.launcher``). The trust is not the same: run alone, the
+verdict is reached in this process, which never runs the implementation; under torchrun every process, rank 0
+included, has imported the implementation, so an entry from torchrun is as trustworthy as the machines that ran it.
+The gate still refuses a wrong step — an honest mistake gets no time either way — but a submission that tampers
+with its own judge is only excluded when run alone.
 """
 
 from __future__ import annotations
@@ -134,17 +145,36 @@ def get_task(name: str) -> Task:
     return TASKS[name]
 
 
-def hardware_problem(task: Task) -> str | None:
-    """Why this machine cannot run ``task`` (``None`` when it can): a GPU task needs ``world`` CUDA GPUs."""
+def hardware_problem(task: Task, launch: Any = None) -> str | None:
+    """Why this machine cannot run ``task`` (``None`` when it can): a GPU task needs ``world`` CUDA GPUs, or under a
+    launcher (``launch``, a :class:`kit.launch.Launch`) one for each of this node's ranks."""
     if task.device != "cuda":
         return None
     import torch
 
     have = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if have < task.world:
-        return (f"task {task.name!r} needs {task.world} CUDA GPU(s); this machine has {have}. Run --task cpu here, "
-                f"or this task on a machine with the GPUs (its figures are unmeasured until then)")
+    need = task.world if launch is None else launch.local_world_size
+    if have < need:
+        return (f"task {task.name!r} needs {need} CUDA GPU(s){'' if launch is None else ' on this node'}; this "
+                f"machine has {have}. Run --task cpu here, or this task on a machine with the GPUs (its figures are "
+                "unmeasured until then)")
     return None
+
+
+def check_launch(task: Task, launch: Any) -> None:
+    """Under a launcher: raise :class:`kit.launch.LaunchError` unless it started exactly ``task.world`` ranks (the
+    task fixes them). Checked from the environment alone, before any rank waits for a peer."""
+    from kit.launch import LaunchError
+
+    if launch is None or launch.world_size == task.world:
+        return
+    nodes = f"{launch.nodes} node(s) × " if launch.nodes else ""
+    fits = sorted(name for name, t in TASKS.items() if t.world == launch.world_size)
+    raise LaunchError(
+        f"task {task.name!r} runs on {task.world} ranks (the task fixes them), but the launcher started "
+        f"WORLD_SIZE={launch.world_size} ({nodes}{launch.local_world_size} per node; torchrun: --nnodes × "
+        f"--nproc-per-node). Start {task.world} ranks in all"
+        + (f", or run a task for {launch.world_size}: {', '.join(fits)}" if fits else ""))
 
 
 def step_config(task: Task, options: dict[str, Any], *, gate: bool) -> dict[str, Any]:
@@ -544,18 +574,66 @@ def gate(task: Task, options: dict[str, Any], builder: Callable[[dict, Any], Any
     start = time.perf_counter()
     config = step_config(task, options, gate=True)
     data = batches(config["model"], task.gate_batch, task.gate_steps)
-    tokens = task.gate_batch * task.gate_model.context_length
     reference = naive_reference(config, data, shards=task.world)
-    tol = tolerances(config, tokens)
     try:
         records = run_on_ranks(_gate_rank, task.world, args=(builder, config, data), timeout=timeout,
                                backend="nccl" if task.device == "cuda" else "gloo")
     except (RankFailedError, RankTimeoutError) as exc:
-        return GateResult(False, [f"the step did not run: {str(exc)[:3000]}"], tol.as_dict(),
+        return _verdict(task, config, reference, None, f"the step did not run: {str(exc)[:3000]}", start)
+    return _verdict(task, config, reference, records, None, start)
+
+
+def _verdict(task: Task, config: dict[str, Any], reference: dict, records: list[dict] | None, error: str | None,
+             start: float) -> GateResult:
+    """The gate's result from the ranks' ``records`` (or the ``error`` that stopped them) against ``reference``."""
+    tol = tolerances(config, task.gate_batch * task.gate_model.context_length)
+    if records is None:
+        return GateResult(False, [error or "the step did not run"], tol.as_dict(),
                           reference_losses=reference["losses"], seconds=time.perf_counter() - start)
     failures = compare(records, reference, config)
     return GateResult(not failures, failures, tol.as_dict(), losses=records[0]["losses"],
                       reference_losses=reference["losses"], seconds=time.perf_counter() - start)
+
+
+def _launched_rank(task: Task, options: dict[str, Any], builder: Callable[[dict, Any], Any],
+                   log: Callable[[str], None]) -> tuple[GateResult, dict | None]:
+    """Under a launcher, in every rank (the process group joined once, by :func:`kit.launch.on_ranks`): the gate,
+    then — if rank 0's verdict lets it through — the timing. Returns ``(verdict, this rank's timing or None)``.
+
+    The gate's records go to rank 0, which computes the naive step and compares (:func:`gate`'s work, done in a
+    rank: there is no other process), then broadcasts its verdict so that every rank times or none does. A step
+    that raises on every rank (a stub, a bad option) fails the gate with its message; one that raises on some
+    ranks only, mid-collective, leaves its peers waiting until torchrun stops them."""
+    import traceback
+
+    import torch.distributed as dist
+
+    start = time.perf_counter()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    config = step_config(task, options, gate=True)
+    data = batches(config["model"], task.gate_batch, task.gate_steps)
+    try:
+        record: dict[str, Any] = record_steps(builder, config, data)
+    except Exception as exc:  # noqa: BLE001 — the student's step failing is a verdict, not a crash
+        record = {"error": f"rank {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()[-2000:]}"}
+    records: list[Any] = [None] * world
+    dist.all_gather_object(records, record)
+    verdict: list[Any] = [None]
+    if rank == 0:
+        reference = naive_reference(config, data, shards=world)
+        errors = [r["error"] for r in records if "error" in r]
+        verdict[0] = (_verdict(task, config, reference, None, f"the step did not run: {errors[0][:3000]}", start)
+                      if errors else _verdict(task, config, reference, records, None, start))
+    dist.broadcast_object_list(verdict, src=0)
+    result: GateResult = verdict[0]
+    if not result.passed:
+        return result, None
+    log(f"gate passed in {result.seconds:.1f} s; timing {task.warmup} warm-up + {task.steps} steps")
+    try:
+        timing = _time_rank(builder, step_config(task, options, gate=False), task)
+    except Exception as exc:  # noqa: BLE001 — idem: an entry that says why it has no time
+        timing = {"error": f"rank {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()[-2000:]}"}
+    return result, timing
 
 
 def _time_rank(builder: Callable[[dict, Any], Any], config: dict[str, Any], task: Task) -> dict:
@@ -614,10 +692,19 @@ def run_entry(task: Task, *, kind: str = "student", options: dict[str, Any] | No
               code: Path | None = None, warmup: int | None = None, steps: int | None = None,
               log: Callable[[str], None] = print) -> dict[str, Any]:
     """Gate, then time, ``task`` with ``options``; return the entry (not yet written). ``kind`` is ``student``,
-    ``reference`` or ``naive``; ``code`` the folder whose ``.py`` files are hashed."""
+    ``reference`` or ``naive``; ``code`` the folder whose ``.py`` files are hashed.
+
+    Alone, the gate's and the timing's ranks are spawned here. Under a launcher this process is one of the ranks
+    (:func:`_launched_rank`, one process group for both); every rank returns the entry, with rank 0's verdict,
+    and only rank 0 logs (and, in :func:`main`, writes it)."""
     from kit.flops import peak_flops, transformer_flops
+    from kit.launch import describe, is_main, launched, on_ranks
     from kit.results import environment
     from kit.spawn import RankFailedError, RankTimeoutError, run_on_ranks
+
+    launch = launched()
+    if launch is not None and not is_main():
+        log = _silent
 
     options = dict(options or {})
     if warmup is not None or steps is not None:
@@ -630,21 +717,29 @@ def run_entry(task: Task, *, kind: str = "student", options: dict[str, Any] | No
                              "threads_per_rank": 1 if task.device == "cpu" else None}
     with _empty_compile_caches():
         log(f"gate: {task.gate_steps} steps of the small instance on {task.world} rank(s), against the naive step")
-        result = gate(task, options, builder, timeout=task.budget_s)
+        if launch is None:
+            result = gate(task, options, builder, timeout=task.budget_s)
+        else:
+            ranks = on_ranks(_launched_rank, task.world, args=(task, options, builder, log),
+                             backend="nccl" if task.device == "cuda" else "gloo", what=f"leaderboard task {task.name}")
+            result = ranks[0][0]
         entry["gate"] = result.as_dict()
         if not result.passed:
             log("gate FAILED — no timing:\n  " + "\n  ".join(result.failures))
+        elif launch is not None:  # timed already, in the same process group
+            timings = [timing for _, timing in ranks]
+            timing = next((t for t in timings if "error" in t), timings[0])
         else:
             log(f"gate passed in {result.seconds:.1f} s; timing {task.warmup} warm-up + {task.steps} steps")
             left = task.budget_s - (time.perf_counter() - start)
             try:
-                ranks = run_on_ranks(_time_rank, task.world, args=(builder, entry["config"], task),
-                                     timeout=max(left, 1.0), backend="nccl" if task.device == "cuda" else "gloo")
-                timing = ranks[0]
+                timing = run_on_ranks(_time_rank, task.world, args=(builder, entry["config"], task),
+                                      timeout=max(left, 1.0), backend="nccl" if task.device == "cuda" else "gloo")[0]
             except RankTimeoutError as exc:
                 timing = {"error": f"over the {task.budget_s:.0f} s budget: {str(exc)[:1500]}"}
             except RankFailedError as exc:
                 timing = {"error": str(exc)[:3000]}
+        if result.passed:
             if "error" in timing:
                 entry["timing"] = timing
                 log(f"timing failed: {timing['error'][:500]}")
@@ -662,11 +757,16 @@ def run_entry(task: Task, *, kind: str = "student", options: dict[str, Any] | No
     entry["wall_s"] = round(wall, 1)
     entry["budget_s"] = task.budget_s
     entry["within_budget"] = wall <= task.budget_s and "error" not in entry.get("timing", {})
-    entry["environment"] = environment(impl=kind)
+    # Under torchrun the command line alone does not say how many processes, on how many machines, ran it.
+    entry["environment"] = environment(impl=kind, **({} if launch is None else {"launcher": describe(launch)}))
     if code is not None:
         entry["files"] = {"root": code.name, **files_hash(code)}
     entry["entry_sha256"] = entry_hash(entry)
     return entry
+
+
+def _silent(_: str) -> None:
+    """The log of a rank other than 0 under a launcher: rank 0 speaks for the job."""
 
 
 @contextlib.contextmanager
@@ -828,6 +928,13 @@ def _parse_sets(pairs: list[str]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from kit.launch import exit_on_launch_error
+
+    with exit_on_launch_error("leaderboard"):  # a wrong launch: a message and exit status 2 on every rank
+        return _main(argv)
+
+
+def _main(argv: list[str] | None) -> int:
     p = argparse.ArgumentParser(prog="python -m kit leaderboard", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--task", default="cpu", help=f"one of {sorted(TASKS)} (default cpu)")
@@ -853,6 +960,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {paths['md']} and {paths['png']}")
         return 0
     from kit.impl import ENV_VAR, selected
+    from kit.launch import is_main, launched
     from kit.spawn import run_on_ranks
 
     try:
@@ -860,7 +968,9 @@ def main(argv: list[str] | None = None) -> int:
         sets = _parse_sets(args.set)
     except ValueError as exc:
         p.error(str(exc))
-    problem = hardware_problem(task)
+    launch = launched()  # under torchrun: this process is one rank; checked before any rank waits for a peer
+    check_launch(task, launch)
+    problem = hardware_problem(task, launch)
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
@@ -871,22 +981,30 @@ def main(argv: list[str] | None = None) -> int:
     else:
         kind = "reference" if impl == "reference" else "student"
         builder = impl_builder
-        # Your leaderboard_options, read in a worker rank: this process never runs the implementation.
-        options = {**run_on_ranks(_options_rank, 1, args=(task.name, task.device), timeout=120)[0], **sets}
+        # Your leaderboard_options, read in a worker rank: this process never runs the implementation. Under a
+        # launcher it is one of the ranks, which run the implementation anyway (see the module's docstring).
+        mine = (_options_rank(task.name, task.device) if launch is not None else
+                run_on_ranks(_options_rank, 1, args=(task.name, task.device), timeout=120)[0])
+        options = {**mine, **sets}
         code = ROOT / impl
     try:
         step_config(task, options, gate=False)
     except ValueError as exc:
         p.error(str(exc))
     log_name = args.name or ("naive" if kind == "naive" else impl)
-    print(f"leaderboard task {task.name}: {task.title}\n{kind} step, options {options}")
+    main_rank = is_main()  # alone, or rank 0 under torchrun: the one that prints and writes the entry
+    if main_rank:
+        print(f"leaderboard task {task.name}: {task.title}\n{kind} step, options {options}")
     entry = run_entry(task, kind=kind, options=options, builder=builder, name=log_name, code=code,
                       warmup=args.warmup, steps=args.steps)
+    passed = entry["gate"]["passed"] and entry["within_budget"]
+    if not main_rank:
+        return 0 if passed else 1
     path = write_entry(entry, args.out or OUTPUT)
     timing = entry.get("timing", {})
     if "median_s" in timing:
         mfu = f", MFU {timing['mfu']:.1%}" if timing.get("mfu") else ""
-        print(f"median step {timing['median_s']:.4g} s (IQR {timing['iqr_s']:.3g} s, {task.steps} steps), "
+        print(f"median step {timing['median_s']:.4g} s (IQR {timing['iqr_s']:.3g} s, {timing['steps']} steps), "
               f"{timing['tokens_per_s']:.4g} tokens/s{mfu}, peak {timing['peak_memory_mib']:.0f} MiB "
               f"({timing['memory_kind']}); wall {entry['wall_s']} s of {task.budget_s:.0f}")
     print(f"wrote {path}")

@@ -21,7 +21,7 @@ import time
 import pytest
 from launching import TORCHRUN, free_port
 
-from kit import launch
+from kit import launch, leaderboard
 from kit.impl import ENV_VAR
 from kit.launch import LaunchError
 
@@ -81,8 +81,8 @@ def test_train_4d_on_two_torchrun_nodes_equals_the_spawn_helper(launches, impl) 
 # --------------------------------------------------------------------------------------------------------------
 # The DDP, ZeRO and FSDP benchmarks: rank and world from torchrun, one set of tables, written by rank 0.
 
-# Every distributed command built on kit.launch, with the table its --smoke run writes. The whole-step
-# leaderboard joins this list when it lands (CONTRIBUTING.md, "Distributed code").
+# Every distributed benchmark built on kit.launch, with the table its --smoke run writes (CONTRIBUTING.md,
+# "Distributed code"). The whole-step leaderboard writes an entry, not a table: its own test follows.
 TORCHRUN_COMMANDS = {"bench_ddp": "ddp", "bench_zero": "zero", "bench_fsdp": "bench_fsdp", "bench_4d": "bench_4d",
                      "bench_pipeline": "bench_pipeline"}
 
@@ -107,6 +107,43 @@ def test_benchmark_on_two_torchrun_nodes(name: str, launches, tmp_path) -> None:
         # The bytes each rank holds match the accounting for 2 ranks: the state really is sharded over both nodes.
         goals = {row.get("optimizer") or row.get("impl"): row["state_goal"] for row in data["rows"]}
         assert set(goals.values()) == {"met"}, goals
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The whole-step leaderboard: the gate and the timing on torchrun's ranks, one entry, written by rank 0.
+
+# The cpu task (2 ranks) with the fewest timed steps that still give a median and a spread: the gate is the task's.
+LEADERBOARD = ["-m", "kit", "leaderboard", "--task", "cpu", "--warmup", "1", "--steps", "3"]
+
+
+def test_leaderboard_on_two_torchrun_nodes(launches, impl, tmp_path) -> None:
+    out = tmp_path / "entries"
+    runs = launches.wait(torchrun_nodes(launches, [*LEADERBOARD, "--impl", impl.package, "--out", str(out)],
+                                        per_node=1, name="leaderboard"), timeout=240)
+    launches.assert_none_left()
+    written = sorted(out.glob("*.json")) if out.exists() else []
+    assert len(written) == 1, f"expected one entry, found {[p.name for p in written]}:\n" + "\n".join(
+        r.tail() for r in runs)
+    entry = json.loads(written[0].read_text())
+    assert entry["gate"]["passed"], entry["gate"]["failures"]
+    assert entry["environment"]["launcher"] == "torchrun: 2 ranks, 2 node(s) × 1", entry["environment"]
+    assert entry["ranks"] == 2 and entry["timing"]["steps"] == 3 and len(entry["timing"]["times_s"]) == 3, entry
+    assert entry["within_budget"] and entry["entry_sha256"] == leaderboard.entry_hash(entry)
+    printed = [r.name for r in runs if "wrote " in r.output]
+    assert len(printed) == 1, f"rank 0 alone prints and writes the entry; printed by {printed}"
+
+
+def test_leaderboard_refuses_a_world_other_than_its_tasks(launches) -> None:
+    # 2 nodes × 2 ranks = 4 for the cpu task's 2: every rank says so before the rendezvous, none gates or times.
+    runs = launches.wait(torchrun_nodes(launches, [*LEADERBOARD, "--impl", "reference"], name="leaderboard"),
+                         timeout=120, succeed=False)
+    for run in runs:
+        text = _failed_fast(run, "leaderboard (rank", "task 'cpu' runs on 2 ranks",
+                            "WORLD_SIZE=4 (2 node(s) × 2 per node", "exitcode: 2")
+        assert "gate:" not in text, "no rank gated:\n" + run.tail()
+        assert 'leaderboard.py", line' not in text, "a launch error is a message, not a traceback:\n" + run.tail()
+        assert run.seconds < 60, f"{run.name} took {run.seconds:.0f} s to refuse"
+    launches.assert_none_left()
 
 
 # --------------------------------------------------------------------------------------------------------------
