@@ -148,7 +148,8 @@ def test_every_command_the_release_lists_works_there(built_release: Path, tmp_pa
 
     listed = kit("--help")
     commands = re.search(r"\{([a-z,-]+)\}", listed.stdout).group(1).split(",")
-    assert set(commands) == {"grade", "autograde", "check-handout", "stages", "doctor", "nsys-summary"}, commands
+    assert set(commands) == {"grade", "autograde", "check-handout", "stages", "doctor", "nsys-summary",
+                             "leaderboard"}, commands
     nvtx = tmp_path / "nvtx.csv"
     nvtx.write_text("Time (%),Total Time (ns),Instances,Avg (ns),Med (ns),Min (ns),Max (ns),StdDev (ns),Style,Range\n"
                     "100.0,1000,1,1000.0,1000.0,1000,1000,0.0,PushPop,forward\n")
@@ -158,6 +159,9 @@ def test_every_command_the_release_lists_works_there(built_release: Path, tmp_pa
                       "--stage", "1"],
         "check-handout": ["check-handout"], "stages": ["stages"], "doctor": ["doctor"],
         "nsys-summary": ["nsys-summary", str(nvtx)],
+        # The naive step needs no student code: the gate and one timed step of the cpu task, an entry written.
+        "leaderboard": ["leaderboard", "--task", "cpu", "--step", "naive", "--warmup", "0", "--steps", "1",
+                        "--out", str(tmp_path / "entries")],
     }
     for name in commands:
         proc = kit(*runs[name])
