@@ -33,6 +33,8 @@ from kit import stages as registry
 from kit.results import RESULTS_DIR, ROOT, environment, markdown_table, save_results
 
 OUT = RESULTS_DIR / "gpu"
+#: A compiled stage's test limit: Stage 3 compiles many shapes' kernels; Stage 7's tests are few and small.
+COMPILED_STAGE_S = {3: 90, 7: 60}
 BUDGET_S = 450  # the sum of the step limits: 7.5 min, inside the 8-minute promise
 LEADERBOARD = dict(batch_heads=16, seq=16384, d_head=64, causal=True)  # (batch·heads, N, D), bf16
 BF16_U = 2.0**-8  # unit roundoff of bf16 (8 significand bits)
@@ -78,12 +80,13 @@ def steps(out: Path = OUT, python: str = sys.executable) -> list[Step]:
     fixed = {"TRITON_INTERPRET": None, "LLMSYS_FA_AUTOTUNE": "0"}
     return [
         Step("doctor", [python, "-m", "kit", "doctor"], 20, False),
-        Step("gpu_tests", pytest + ["tests", "-m", "gpu"], 70, True, env=fixed, empty_code=5),
+        Step("gpu_tests", pytest + ["tests", "-m", "gpu"], 60, True, env=fixed, empty_code=5),
         *(Step(f"stage{stage.number}_compiled", pytest + [str(p.relative_to(ROOT)) for p in stage.test_paths(ROOT)],
-               120, True, env=fixed) for stage in registry.STAGES if stage.gpu_kernels),
+               COMPILED_STAGE_S.get(stage.number, 60), True, env=fixed)
+          for stage in registry.STAGES if stage.gpu_kernels),
         Step("bench_attention", [python, "-m", "benchmarks.bench_attention", "--goals", "--impl", "reference",
-                                 "--out", str(out)], 130, False),
-        Step("crosscheck", me + ["crosscheck"], 60, True),
+                                 "--out", str(out)], 120, False),
+        Step("crosscheck", me + ["crosscheck"], 50, True),
         Step("train_step", me + ["train"], 45, True),
     ]
 

@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import pytest
 
 from instructor import gpu_check
+from kit import stages
 
 pytestmark = pytest.mark.kit
 ROOT = Path(__file__).resolve().parents[2]
@@ -37,8 +38,9 @@ def test_makefile_has_the_targets():
 
 def test_steps_fit_the_budget_and_name_what_exists():
     plan = gpu_check.steps(Path("/tmp/out"), python="python")
-    assert [s.name for s in plan] == ["doctor", "gpu_tests", "stage3_compiled", "bench_attention", "crosscheck",
-                                      "train_step"]
+    compiled = [f"stage{s.number}_compiled" for s in stages.STAGES if s.gpu_kernels]
+    assert "stage3_compiled" in compiled
+    assert [s.name for s in plan] == ["doctor", "gpu_tests", *compiled, "bench_attention", "crosscheck", "train_step"]
     assert sum(s.timeout_s for s in plan) <= gpu_check.BUDGET_S < 8 * 60
     by_name = {s.name: s for s in plan}
     assert by_name["stage3_compiled"].env["TRITON_INTERPRET"] is None, "Stage 3 must run compiled"
@@ -48,7 +50,7 @@ def test_steps_fit_the_budget_and_name_what_exists():
     assert "-m" in by_name["gpu_tests"].argv and "gpu" in by_name["gpu_tests"].argv
     bench = by_name["bench_attention"].argv
     assert {"--goals", "--impl", "reference"} <= set(bench) and bench[bench.index("--out") + 1] == "/tmp/out"
-    assert {s.name for s in plan if s.correctness} == {"gpu_tests", "stage3_compiled", "crosscheck", "train_step"}
+    assert {s.name for s in plan if s.correctness} == {"gpu_tests", *compiled, "crosscheck", "train_step"}
 
 
 def test_bench_attention_accepts_the_flags_the_check_passes():
@@ -109,7 +111,8 @@ def test_a_failing_correctness_step_fails_the_check(tmp_path, capsys):
                          "stage3_compiled": subprocess.TimeoutExpired("pytest", 120)})
     assert gpu_check.main(["--out", str(out)], cuda=True, runner=runner) == 1
     summary = (out / "summary.md").read_text()
-    assert "| crosscheck | failed (exit 1) |" in summary and "timed out after 120 s" in summary
+    limit = next(s.timeout_s for s in gpu_check.steps(out) if s.name == "stage3_compiled")
+    assert "| crosscheck | failed (exit 1) |" in summary and f"timed out after {limit} s" in summary
     assert "FAILED correctness steps: stage3_compiled, crosscheck" in summary
     assert "train_step" in [c[0] for c in runner.calls], "a failure must not stop the later steps"
     printed = capsys.readouterr().out
@@ -243,6 +246,6 @@ def test_no_gpu_test_selected_is_not_a_failure(tmp_path):
     step = gpu_check.steps(tmp_path)[1]
     outcome = gpu_check.run_step(step, tmp_path, seconds_left=60, runner=FakeRunner(tmp_path, {"gpu_tests": 5}))
     assert outcome.status == "nothing selected" and outcome.ok
-    crosscheck = gpu_check.steps(tmp_path)[4]
+    crosscheck = next(s for s in gpu_check.steps(tmp_path) if s.name == "crosscheck")
     outcome = gpu_check.run_step(crosscheck, tmp_path, seconds_left=60, runner=FakeRunner(tmp_path, {"crosscheck": 5}))
     assert not outcome.ok
