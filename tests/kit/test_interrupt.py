@@ -128,7 +128,7 @@ def test_a_changed_test_or_limit_regrades_and_says_why(tmp_path):
     cmd = ["grade", "--batch", str(folder), "--out", str(out), "--stage", str(toy_kit.FIRST)]
     assert toy_kit.run(kit, *cmd).returncode == 0
     assert "skipped 1 submission(s)" in toy_kit.run(kit, *cmd).stdout
-    test_file = kit / "tests" / "test_stage7_toy.py"
+    test_file = kit / "tests" / f"test_stage{toy_kit.FIRST}_toy.py"
     test_file.write_text(test_file.read_text().replace("== 5", "== 2 + 3"))
     changed = toy_kit.run(kit, *cmd)
     assert "skipped" not in changed.stdout, changed.stdout
