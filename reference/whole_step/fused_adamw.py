@@ -95,6 +95,7 @@ class FusedAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        # BEGIN SCAFFOLD per group: the parameters with a gradient, their state created once, one fused update (07b §4)
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
             if not params:
@@ -106,6 +107,7 @@ class FusedAdamW(torch.optim.Optimizer):
                     self._init_state(p, group)
             self._update_group(group, params)
         return loss
+        # END SCAFFOLD
 
     # -------------------------------------------------------------------------------------------- your part
 
