@@ -76,7 +76,8 @@ def measure(row: str, impl: str) -> dict:
         return {"row": row, "command": f"run_on_ranks(nothing, {world})", "impl": "-",
                 "seconds": _spawn_seconds(world), "goal_s": None, "exit": 0}
     if row.startswith("stage"):
-        command, goal, used = [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", row], GOALS_S["stage"], impl
+        command = [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", row]
+        goal, used = GOALS_S["stage"], impl
     elif row == "grade":
         command, goal, used = [python, "-m", "kit", "grade", "--impl", impl], GOALS_S["grade"], impl
     elif row == "grade-stubs":
