@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kit.autograder import build_autograder
+from instructor.autograder import build_autograder
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -91,7 +91,7 @@ def _stand_ins(folder: Path, python3: str, apt_gives: str | None) -> Path:
     ("3.10.12", None, None),               # nothing supported to be had: stop, and say what to do
 ])
 def test_setup_finds_or_installs_a_supported_python(tmp_path, python3, apt_gives, chosen):
-    from kit.autograder import SETUP_SH
+    from instructor.autograder import SETUP_SH
 
     script = tmp_path / "setup.sh"
     script.write_text(SETUP_SH)
