@@ -24,12 +24,14 @@ Columns: ``tflops`` is model FLOPs per second (``kit.flops.attention_flops``: 4�
 when causal; backward 2×, forward+backward 3× — recomputation not counted); ``model_gflop`` those FLOPs;
 ``executed_gflop`` the matmul FLOPs the provider's design actually executes (see ``DESIGNS``: the kit's
 deterministic Triton backward recomputes S and dP in both its dK/dV and its dQ kernels, 7 matmuls
-against the model's 4). Each cell is measured on its own: an error (a Triton compile error,
-OutOfResources, out of memory, a stub's NotImplementedError) becomes that cell's ``status`` and the
-grid goes on. On CUDA each cell is timed with ``triton.testing.do_bench`` (median) and its peak memory
-taken on a call after the first (the first call autotunes, and the autotuner allocates a cache-flush
-buffer). On a CPU the Triton kernels run in the *interpreter*: those numbers say nothing about GPU speed
-— GPU figures must be measured on a GPU, and the goal rows say they need CUDA.
+against the model's 4; counted for that design — when ``triton_config.run_backward`` picks the
+one-kernel design, ``LLMSYS_FA_BACKWARD=fused`` or measured faster on the GPU, the backward executes 5).
+Each cell is measured on its own: an error (a Triton compile error, OutOfResources, out of memory, a stub's
+NotImplementedError) becomes that cell's ``status`` and the grid goes on. On CUDA each cell is timed with
+``triton.testing.do_bench`` (median) and its peak memory taken on a call after the first (the first call
+autotunes, and the autotuner allocates a cache-flush buffer). On a CPU the Triton kernels run in the
+*interpreter*: those numbers say nothing about GPU speed — GPU figures must be measured on a GPU, and the goal
+rows say they need CUDA.
 """
 
 from __future__ import annotations

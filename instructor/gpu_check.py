@@ -171,7 +171,11 @@ def crosscheck_tolerances(o_abs, v_absmax: float):
 
 def crosscheck(out: Path, shape: dict = LEADERBOARD, device: str = "cuda") -> bool:
     """Triton vs SDPA's flash backend at ``shape`` (default: the leaderboard's), forward and backward, causal,
-    bf16. Returns pass/fail. (``device="cpu"`` with a small shape runs the same code in the test suite.)"""
+    bf16 — the Triton backward once per design (``triton_config.BACKWARD_DESIGNS``: on a GPU either may be the
+    one that runs). Returns pass/fail. (``device="cpu"`` with a small shape runs the same code in the test
+    suite.)"""
+    from unittest import mock
+
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -179,80 +183,86 @@ def crosscheck(out: Path, shape: dict = LEADERBOARD, device: str = "cuda") -> bo
     from kit.impl import load
 
     impl = load("reference")
+    config = impl.flash_attention.triton_config
     bh, n, d = shape["batch_heads"], shape["seq"], shape["d_head"]
     gen = torch.Generator(device=device).manual_seed(0)
     q, k, v, do = (torch.randn(bh, n, d, device=device, dtype=torch.bfloat16, generator=gen) for _ in range(4))
-    grads = []
-    outs = []
-    for name in ("triton", "sdpa_flash"):
+
+    def run(design: str | None):
         qq, kk, vv = (t.clone().requires_grad_(True) for t in (q, k, v))
-        if name == "triton":
-            o = impl.flash_attention.flash_attention(qq, kk, vv, True)
+        if design is not None:
+            with mock.patch.object(config, "BACKWARD", design):
+                o = impl.flash_attention.flash_attention(qq, kk, vv, True)
+                o.backward(do)
         else:  # 4-D (1, BH, N, D): the fused SDPA backends need 4-D inputs
             with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
                 o = F.scaled_dot_product_attention(qq[None], kk[None], vv[None], is_causal=True)[0]
-        o.backward(do)
-        outs.append(o.detach())
-        grads.append([t.grad for t in (qq, kk, vv)])
-    if device == "cuda":
-        torch.cuda.synchronize()
-    atol, grad_rtol = crosscheck_tolerances(outs[1].float().abs(), v.float().abs().max().item())
-    diff = (outs[0].float() - outs[1].float()).abs()
-    excess = diff - atol
-    worst = int(excess.argmax())
-    where = tuple(int(i) for i in torch.unravel_index(torch.tensor(worst), diff.shape))
-    rows = [{"quantity": "O", "check": "elementwise abs(Δ) ≤ 2u(abs(o) + max abs(v))",
-             "worst": float(diff.flatten()[worst]), "bound": float(atol.flatten()[worst]),
-             "where (bh, row, col)": str(where), "ok": bool(excess.max() <= 0)}]
-    for name, a, b in zip(("dQ", "dK", "dV"), grads[0], grads[1]):
-        rel = ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
-        rows.append({"quantity": name, "check": "‖Δ‖ / ‖sdpa‖ ≤ 8u", "worst": rel, "bound": grad_rtol,
-                     "where (bh, row, col)": "normwise", "ok": bool(math.isfinite(rel) and rel <= grad_rtol)})
-    save_results("crosscheck", rows, out_dir=out, title=f"Triton vs SDPA flash at {bh} × {n} × {d} "
-                 "((batch·heads, N, D), causal, bf16); u = 2⁻⁸", stamp={"impl": "reference"})
+            o.backward(do)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        return o.detach(), [t.grad for t in (qq, kk, vv)]
+
+    o_ref, grads_ref = run(None)
+    atol, grad_rtol = crosscheck_tolerances(o_ref.float().abs(), v.float().abs().max().item())
+    rows = []
+    for design in config.BACKWARD_DESIGNS:
+        o, grads = run(design)
+        diff = (o.float() - o_ref.float()).abs()
+        excess = diff - atol
+        worst = int(excess.argmax())
+        where = tuple(int(i) for i in torch.unravel_index(torch.tensor(worst), diff.shape))
+        rows.append({"backward design": design, "quantity": "O",
+                     "check": "elementwise abs(Δ) ≤ 2u(abs(o) + max abs(v))",
+                     "worst": float(diff.flatten()[worst]), "bound": float(atol.flatten()[worst]),
+                     "where (bh, row, col)": str(where), "ok": bool(excess.max() <= 0)})
+        for name, a, b in zip(("dQ", "dK", "dV"), grads, grads_ref):
+            rel = ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+            rows.append({"backward design": design, "quantity": name, "check": "‖Δ‖ / ‖sdpa‖ ≤ 8u", "worst": rel,
+                         "bound": grad_rtol, "where (bh, row, col)": "normwise",
+                         "ok": bool(math.isfinite(rel) and rel <= grad_rtol)})
+    save_results("crosscheck", rows, out_dir=out, title=f"Triton (each backward design) vs SDPA flash at {bh} × {n} "
+                 f"× {d} ((batch·heads, N, D), causal, bf16); u = 2⁻⁸", stamp={"impl": "reference"})
     save_results("kernels", kernel_report([impl.flash_attention]), out_dir=out,
                  title="Autotuned config per kernel (chosen = the autotuner's pick; compiled for this GPU)")
     return all(r["ok"] for r in rows)
 
 
 def launchers(package) -> list:
-    """The kernel launchers (objects with ``kernel``, ``kind`` and ``tuned``) of a flash_attention package."""
-    found = []
-    for mod_name in ("triton_forward", "triton_backward"):
-        mod = sys.modules.get(f"{package.__name__}.{mod_name}")
-        found += [v for v in vars(mod).values() if hasattr(v, "kernel") and hasattr(v, "kind")] if mod else []
-    return found
+    """The kernel launchers (objects with ``kernel``, ``kind``, ``tuned`` and ``chosen``) of a flash_attention
+    package: those its ``triton_config.configure`` made."""
+    config = sys.modules.get(f"{package.__name__}.triton_config")
+    return list(getattr(config, "LAUNCHERS", []))
 
 
 def kernel_report(packages) -> list[dict]:
     """One row per compiled variant of each kernel: tiles, warps, stages, registers, spills, shared memory,
     wgmma in the PTX, and whether the autotuner chose it (``chosen``: yes, no, or fixed = not autotuned)."""
+    from kit import triton_private
+
     rows = []
     for launcher in [lch for pkg in packages for lch in launchers(pkg)]:
-        kernel, tuned = launcher.kernel, getattr(launcher, "tuned", None)
-        picks = list(getattr(tuned, "cache", {}).values()) if tuned is not None else []
-        for cache, *_ in getattr(kernel, "device_caches", {}).values():
-            for compiled in cache.values():
-                rows.append(compiled_row(launcher.kind, compiled, picks))
+        picks = list(getattr(launcher, "chosen", {}).values()) if getattr(launcher, "tuned", None) is not None else []
+        for compiled in triton_private.compiled_variants(launcher.kernel):
+            rows.append(compiled_row(launcher.kind, compiled, picks))
     return rows
 
 
-def compiled_row(kind: str, compiled, picks: list) -> dict:
-    """Metrics of one ``triton.compiler.CompiledKernel``; ``picks`` are the autotuner's chosen Configs."""
-    names = list(getattr(compiled.src.fn, "arg_names", []))
-    constants = {names[key[0]] if isinstance(key, tuple) else key: value
-                 for key, value in getattr(compiled.src, "constants", {}).items()
-                 if not isinstance(key, tuple) or key[0] < len(names)}
+def compiled_row(kind: str, compiled, picks: list[dict]) -> dict:
+    """Metrics of one ``triton.compiler.CompiledKernel``; ``picks`` are the configs the launcher chose
+    (``BLOCK_M``, ``BLOCK_N``, ``num_warps``, ``num_stages``)."""
+    from kit import triton_private
+
+    constants = triton_private.compiled_constants(compiled)
     meta = compiled.metadata
     blocks = {k: constants[k] for k in ("BLOCK_M", "BLOCK_N", "HEAD_DIM", "IS_CAUSAL") if k in constants}
     try:
-        compiled._init_handles()
-        regs, spills = compiled.n_regs, compiled.n_spills
+        regs, spills = triton_private.loaded_resources(compiled)
     except Exception as exc:  # e.g. OutOfResources: still report the row
         regs, spills = None, f"not loaded ({type(exc).__name__})"
-    chosen = "fixed" if not picks else "yes" if any(
-        all(blocks.get(k) == v for k, v in c.kwargs.items()) and c.num_warps == meta.num_warps
-        and c.num_stages == meta.num_stages for c in picks) else "no"
+    mine = {"BLOCK_M": blocks.get("BLOCK_M"), "BLOCK_N": blocks.get("BLOCK_N"), "num_warps": meta.num_warps,
+            "num_stages": meta.num_stages}
+    picked = any(all(p.get(k) == v for k, v in mine.items()) for p in picks)
+    chosen = "fixed" if not picks else "yes" if picked else "no"
     return {"kernel": kind, **blocks, "warps": meta.num_warps, "stages": meta.num_stages, "chosen": chosen,
             "registers": regs, "spills": spills, "shared_kib": round(meta.shared / 1024, 1),
             "wgmma": "wgmma" in compiled.asm.get("ptx", "")}

@@ -6,19 +6,31 @@ properties that exist only in the compiled kernel (the precision ``tl.dot`` runs
 offsets, shared memory and registers). This module closes that gap without naming any kernel:
 
 1. :func:`record_launches` runs a function under the interpreter and records every kernel launch it makes
-   — which ``@triton.jit`` function, the type of each argument (pointer dtype for tensors, int/float/bool
-   for scalars), the constexpr values, the grid and ``num_warps``/``num_stages`` — whatever the kernels
-   and their parameters are called;
-2. :func:`compile_launches` compiles exactly those kernels for a Hopper GPU (sm_90) in a child process with
-   the interpreter off (no GPU needed) and returns one :class:`CompileReport` per kernel: the compiler's
-   error if any, shared memory, the ptxas register/spill line, and the Triton IR;
+   — which ``@triton.jit`` function, each argument (for a tensor: its element type and how its address is
+   aligned; for a scalar: its value), the constexpr values, the grid and the launch options — whatever the
+   kernels and their parameters are called;
+2. :func:`compile_launches` compiles exactly those launches for a Hopper GPU (sm_90) in a child process
+   with the interpreter off (no GPU needed; :mod:`kit.triton_compile_child`) and returns one
+   :class:`CompileReport` per launch: the compiler's error if any, shared memory, the ptxas
+   register/spill line, and the Triton IR;
 3. :func:`tf32_dots` and :func:`narrow_offsets` inspect that IR: fp32 ``tl.dot`` must run at IEEE precision,
    and products of the batch·head program id with a runtime argument (a stride) must be 64-bit.
+
+**The build is the one a GPU launch makes.** A launch does not compile the kernel's source alone: Triton's
+launcher first *specialises* it on the arguments — pointers whose address is a multiple of 16 bytes and
+integers divisible by 16 are marked so (``tt.divisibility``: loads become vectorised and K/V tiles can be
+pipelined), an integer equal to 1 becomes a constant — and registers, spills and shared memory depend on
+it (a D = 128 kernel can spill without the hints and not with them). The child therefore hands each
+recorded launch to Triton's own launcher (``JITFunction.run`` with ``warmup=True``, the GPU replaced by a
+stand-in that names sm_90; :mod:`kit.triton_private`), with the recorded scalars and, for each tensor, a
+stand-in with its dtype and alignment: the specialisation is Triton's, not a copy of its rules.
+:func:`launch_specialisations` returns what that launcher hands the compiler, and
+``tests/kit/test_triton_compile.py`` checks it against launches of real tensors (shapes, strides that are
+and are not multiples of 16, a misaligned view).
 """
 
 from __future__ import annotations
 
-import inspect
 import json
 import os
 import re
@@ -29,31 +41,48 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kit import triton_private
+
 # sm_90 (H100/H200): 227 KiB of shared memory per block with the opt-in carve-out.
 SM90_SHARED_BYTES = 232448
+# A tensor's address alignment is recorded up to this many bytes (CUDA's allocator aligns to 512, the CPU one
+# to 64; Triton 3.6 asks only whether it is a multiple of 16).
+MAX_RECORDED_ALIGNMENT = 256
 
 
 @dataclass
 class Launch:
     """One recorded kernel launch: ``module.name`` launched with ``args`` (parameter name → descriptor:
-    ``{"kind": "ptr", "dtype": "fp16"}``, ``{"kind": "int"|"float"|"bool"|"value", "value": ...}``), on
-    ``grid`` (a tuple of ints), with ``options`` (``num_warps``/``num_stages`` when the launch gave them)."""
+    ``{"kind": "ptr", "dtype": "fp16", "align": 256}`` for a tensor, whose address is a multiple of
+    ``align`` bytes; ``{"kind": "int"|"float"|"bool"|"value", "value": ...}`` for anything else), on ``grid``
+    (a tuple of ints), with ``options`` (the launch options it passed: ``num_warps``, ``num_stages``, …)."""
 
     module: str
     name: str
     args: dict[str, dict]
     grid: tuple[int, ...]
-    options: dict[str, int] = field(default_factory=dict)
+    options: dict[str, Any] = field(default_factory=dict)
 
     def key(self) -> str:
         return json.dumps([self.module, self.name, self.args, self.options], sort_keys=True, default=str)
+
+    def as_data(self) -> dict:
+        """The launch as plain data (what :meth:`from_data` reads back)."""
+        return {"module": self.module, "name": self.name, "args": self.args, "grid": list(self.grid),
+                "options": self.options}
+
+    @classmethod
+    def from_data(cls, data: dict) -> Launch:
+        return cls(data["module"], data["name"], data["args"], tuple(data["grid"]), dict(data["options"]))
 
 
 @dataclass
 class CompileReport:
     """The outcome of compiling one :class:`Launch` for sm_90: ``error`` (the compiler's message) or
-    ``shared`` bytes, ``ptxas`` (its ``-v`` lines: registers, spills), ``ttir`` (the Triton IR) and
-    ``wgmma`` (whether the PTX uses Hopper's warpgroup MMA instructions, i.e. ``tl.dot`` got the fast path)."""
+    ``shared`` bytes, ``ptxas`` (its ``-v`` lines: registers, spills), ``ttir`` (the Triton IR), ``wgmma``
+    (whether the PTX uses Hopper's warpgroup MMA instructions, i.e. ``tl.dot`` got the fast path) and
+    ``inputs`` (what Triton's launcher handed the compiler: signature, constants, ``tt.divisibility``
+    attributes by parameter, options)."""
 
     launch: Launch
     error: str = ""
@@ -61,6 +90,7 @@ class CompileReport:
     ptxas: str = ""
     ttir: str = ""
     wgmma: bool = False
+    inputs: dict = field(default_factory=dict)
 
     @property
     def registers(self) -> int:
@@ -73,16 +103,32 @@ class CompileReport:
         """Bytes of register spill stores ptxas reported (0 when none or unknown)."""
         return sum(int(n) for n in re.findall(r"(\d+) bytes spill stores", self.ptxas))
 
+    def as_data(self) -> dict:
+        return {"launch": self.launch.as_data(), "error": self.error, "shared": self.shared, "ptxas": self.ptxas,
+                "ttir": self.ttir, "wgmma": self.wgmma, "inputs": self.inputs}
+
+    @classmethod
+    def from_data(cls, data: dict) -> CompileReport:
+        return cls(Launch.from_data(data["launch"]), **{k: v for k, v in data.items() if k != "launch"})
+
 
 _TRITON_DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "float64": "fp64", "int64": "i64",
-                  "int32": "i32", "int16": "i16", "int8": "i8", "uint8": "u8", "bool": "i1"}
+                  "int32": "i32", "int16": "i16", "int8": "i8", "uint8": "u8", "bool": "i1",
+                  "float8_e4m3fn": "fp8e4nv", "float8_e5m2": "fp8e5"}
+TORCH_DTYPES = {short: long for long, short in _TRITON_DTYPES.items()}  # "fp16" → "float16"
+
+
+def alignment(address: int) -> int:
+    """The largest power of two, at most :data:`MAX_RECORDED_ALIGNMENT`, that divides ``address``."""
+    return MAX_RECORDED_ALIGNMENT if address % MAX_RECORDED_ALIGNMENT == 0 else address & -address
 
 
 def _describe(value: Any) -> dict:
     import torch
 
     if isinstance(value, torch.Tensor):
-        return {"kind": "ptr", "dtype": _TRITON_DTYPES.get(str(value.dtype).removeprefix("torch."), "fp32")}
+        return {"kind": "ptr", "dtype": _TRITON_DTYPES.get(str(value.dtype).removeprefix("torch."), "fp32"),
+                "align": alignment(value.data_ptr())}
     if isinstance(value, bool):
         return {"kind": "bool", "value": value}
     if isinstance(value, int):
@@ -102,123 +148,70 @@ def record_launches(fn: Callable[[], Any], execute: bool = True) -> list[Launch]
     With ``execute=False`` the kernels are recorded but not run (their outputs stay uninitialised): a
     cheap way to see the grids a launcher asks for at sizes the interpreter would take minutes to run.
 
-    Works through ``kernel[grid](...)``, ``triton.autotune`` and ``triton.heuristics`` (all of which end in
-    ``InterpretedFunction.run`` under the interpreter, ``JITFunction.run`` on a GPU); the autotuner's
+    Works through ``kernel[grid](...)``, ``triton.autotune`` and ``triton.heuristics``; the autotuner's
     benchmarking launches are not recorded, only the launch it settles on.
     """
-    from triton.runtime.interpreter import InterpretedFunction
-    from triton.runtime.jit import JITFunction
-
     launches: dict[str, Launch] = {}
-    originals = {cls: cls.run for cls in (InterpretedFunction, JITFunction)}
 
-    def make_recording(original):
-        def recording(self, *args, grid, warmup, **kwargs):
-            if not warmup and not any(f.function in ("_bench", "do_bench") for f in inspect.stack(0)[1:8]):
-                named = {**dict(zip(self.arg_names, args)), **kwargs}
-                options = {k: int(named.pop(k)) for k in ("num_warps", "num_stages") if named.get(k) is not None}
-                for k in ("num_ctas", "maxnreg", "enable_fp_fusion", "launch_cooperative_grid"):
-                    named.pop(k, None)
-                g = grid(named) if callable(grid) else grid
-                g = tuple(int(x) for x in (g if isinstance(g, (tuple, list)) else (g,)))
-                launch = Launch(self.fn.__module__, self.fn.__qualname__,
-                                {k: _describe(v) for k, v in named.items()}, g, options)
-                launches.setdefault(launch.key(), launch)
-                if not execute:
-                    return None
-            return original(self, *args, grid=grid, warmup=warmup, **kwargs)
+    def on_launch(kernel, named: dict, options: dict, grid) -> bool:
+        if triton_private.in_autotuner_benchmark():
+            return True
+        g = grid(named) if callable(grid) else grid
+        g = tuple(int(x) for x in (g if isinstance(g, (tuple, list)) else (g,)))
+        launch = Launch(kernel.fn.__module__, kernel.fn.__qualname__, {k: _describe(v) for k, v in named.items()},
+                        g, {k: v if isinstance(v, (bool, int, float, str)) else repr(v) for k, v in options.items()})
+        launches.setdefault(launch.key(), launch)
+        return execute
 
-        return recording
-
-    for cls, original in originals.items():
-        cls.run = make_recording(original)
-    try:
+    with triton_private.launches_intercepted(on_launch):
         fn()
-    finally:
-        for cls, original in originals.items():
-            cls.run = original
     return list(launches.values())
 
 
-_CHILD = r"""
-import contextlib, importlib, io, json, os, sys, traceback
-os.environ["TRITON_INTERPRET"] = "0"
-os.environ["TRITON_DUMP_PTXAS_LOG"] = "1"
-import kit  # noqa: F401
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from triton.runtime.jit import JITFunction
-
-out = []
-for launch in json.load(open(sys.argv[1])):
-    rep = {"error": "", "shared": 0, "ptxas": "", "ttir": "", "wgmma": False}
-    out.append(rep)
-    try:
-        obj = importlib.import_module(launch["module"])
-        for part in launch["name"].split("."):
-            obj = getattr(obj, part)
-        while not isinstance(obj, JITFunction) and hasattr(obj, "fn"):
-            obj = obj.fn  # Autotuner / Heuristics wrap the JITFunction
-        if not isinstance(obj, JITFunction):
-            raise TypeError(f"{launch['module']}.{launch['name']} is not a module-level @triton.jit function")
-    except Exception as e:
-        rep["error"] = f"cannot import the kernel: {type(e).__name__}: {e}"
-        continue
-    signature, constexprs, args = {}, {}, launch["args"]
-    for i, p in enumerate(obj.params):
-        d = args.get(p.name)
-        if p.is_constexpr:
-            signature[p.name] = "constexpr"
-            constexprs[(i,)] = d["value"] if d is not None else p.default
-        elif d is None:
-            signature[p.name] = "constexpr"  # a defaulted argument the launch did not pass
-            constexprs[(i,)] = p.default
-        elif d["kind"] == "ptr":
-            signature[p.name] = "*" + d["dtype"]
-        elif d["kind"] == "int":
-            signature[p.name] = "i32" if -2**31 <= d["value"] < 2**31 else "i64"
-        elif d["kind"] == "float":
-            signature[p.name] = "fp32"
-        elif d["kind"] == "bool":
-            signature[p.name] = "i1"
-        else:
-            signature[p.name] = "constexpr"
-            constexprs[(i,)] = d["value"]
-    options = {"num_warps": 4, "num_stages": 3, **launch["options"]}
-    log = io.StringIO()
-    try:
-        with contextlib.redirect_stdout(log):
-            k = triton.compile(ASTSource(fn=obj, signature=signature, constexprs=constexprs),
-                               target=GPUTarget("cuda", 90, 32), options=options)
-        rep["shared"] = int(k.metadata.shared)
-        rep["ttir"] = k.asm.get("ttir", "")
-        rep["wgmma"] = "wgmma" in k.asm.get("ptx", "")
-        rep["ptxas"] = "\n".join(l for l in log.getvalue().splitlines() if "ptxas info" in l or "spill" in l)
-    except Exception as e:
-        msg = str(e).strip() or type(e).__name__
-        rep["error"] = f"{type(e).__name__}: {msg}"[-4000:]
-json.dump(out, open(sys.argv[2], "w"))
-"""
+def _run_child(mode: str, payload: Any, workdir: Path, root: Path, timeout: float) -> Any:
+    """Run ``python -m kit.triton_compile_child MODE IN OUT`` with the interpreter off and ``root`` on the path;
+    ``RuntimeError`` with the child's output if it crashes."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    src, dst = workdir / f"{mode}-in.json", workdir / f"{mode}-out.json"
+    dst.unlink(missing_ok=True)
+    src.write_text(json.dumps(payload))
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(workdir / "triton-cache"),
+           "PYTHONPATH": str(root) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.run([sys.executable, "-m", "kit.triton_compile_child", mode, str(src), str(dst)], env=env,
+                          cwd=root, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0 or not dst.exists():
+        raise RuntimeError(f"the compile step ({mode}) crashed:\n" + (proc.stdout + proc.stderr)[-3000:])
+    return json.loads(dst.read_text())
 
 
 def compile_launches(launches: list[Launch], workdir: Path, root: Path, timeout: float = 900) -> list[CompileReport]:
-    """Compile each recorded launch for sm_90 in a child process (interpreter off, no GPU needed).
+    """Compile each recorded launch for sm_90 as a launch of its arguments would, in a child process
+    (interpreter off, no GPU needed).
 
     ``root`` goes on the child's ``PYTHONPATH`` so the kernels' modules import there; ``workdir`` holds the
     Triton cache and the exchange files. Raises ``RuntimeError`` with the child's output if it crashes.
     """
-    workdir.mkdir(parents=True, exist_ok=True)
-    src, dst = workdir / "launches.json", workdir / "reports.json"
-    src.write_text(json.dumps([{"module": la.module, "name": la.name, "args": la.args, "options": la.options}
-                               for la in launches]))
-    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(workdir / "triton-cache"),
-           "PYTHONPATH": str(root) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    proc = subprocess.run([sys.executable, "-c", _CHILD, str(src), str(dst)], env=env, cwd=root,
-                          capture_output=True, text=True, timeout=timeout)
-    if proc.returncode != 0 or not dst.exists():
-        raise RuntimeError("the compile step crashed:\n" + (proc.stdout + proc.stderr)[-3000:])
-    return [CompileReport(la, **rep) for la, rep in zip(launches, json.loads(dst.read_text()))]
+    reports = _run_child("compile", [la.as_data() for la in launches], workdir, root, timeout)
+    return [CompileReport(la, **rep) for la, rep in zip(launches, reports)]
+
+
+def launch_specialisations(launches: list[Launch], workdir: Path, root: Path, timeout: float = 300) -> list[dict]:
+    """What Triton's launcher hands the compiler for each launch (no compile): ``signature``, ``constants``,
+    ``attrs`` and ``options``, as :func:`kit.triton_private.compiles_observed` describes them."""
+    return _run_child("inputs", [la.as_data() for la in launches], workdir, root, timeout)
+
+
+def launched_specialisations(target: str, workdir: Path, root: Path, timeout: float = 300) -> list[dict]:
+    """The same for whatever ``target`` (``"package.module:function"``, called without arguments) launches
+    when it runs with the interpreter off — real tensors through the real launch path, for sm_90, stopped
+    before the GPU would be needed: the ground truth :func:`launch_specialisations` is tested against."""
+    return _run_child("run", target, workdir, root, timeout)
+
+
+def compile_launched(target: str, workdir: Path, root: Path, timeout: float = 900) -> list[dict]:
+    """The compile reports (as data: ``error``, ``shared``, ``ptxas``, ``ttir``, ``wgmma``, ``inputs``) of the
+    kernels ``target`` launches with the interpreter off, compiled for sm_90 as those launches compile them."""
+    return _run_child("run-compile", target, workdir, root, timeout)
 
 
 _LINE = re.compile(r"^\s*(%[\w#]+)(?::\d+)?\s*=\s*(.*)$")
@@ -285,18 +278,27 @@ def narrow_offsets(ttir: str, axis: int) -> list[str]:
     return bad
 
 
-def with_config(launch: Launch, config: dict[str, int]) -> Launch:
+def with_config(launch: Launch, config: dict[str, Any]) -> Launch:
     """``launch`` with other constexpr values and launch options: ``config`` maps constexpr names (e.g.
-    ``BLOCK_M``) to values and may hold ``num_warps``/``num_stages`` — one autotune candidate of it."""
+    ``BLOCK_M``) to values and may hold launch options (``num_warps``, ``num_stages``) — one autotune
+    candidate of it."""
     args = {k: dict(d) for k, d in launch.args.items()}
     options = dict(launch.options)
     for name, value in config.items():
-        if name in ("num_warps", "num_stages"):
-            options[name] = int(value)
+        if name in triton_private.LAUNCH_OPTIONS:
+            options[name] = value
         else:
-            kind = "bool" if isinstance(value, bool) else "int" if isinstance(value, int) else "value"
-            args[name] = {"kind": kind, "value": value}
+            args[name] = _describe(value) if isinstance(value, (bool, int, float)) else {"kind": "value",
+                                                                                        "value": value}
     return Launch(launch.module, launch.name, args, launch.grid, options)
+
+
+def with_dtype(launch: Launch, old: str, new: str) -> Launch:
+    """``launch`` with every tensor of element type ``old`` (e.g. ``"fp16"``) made ``new`` (``"bf16"``),
+    its alignment kept: the same launch on tensors of another dtype."""
+    args = {k: {**d, "dtype": new} if d["kind"] == "ptr" and d["dtype"] == old else dict(d)
+            for k, d in launch.args.items()}
+    return Launch(launch.module, launch.name, args, launch.grid, dict(launch.options))
 
 
 def batch_head_axis(launch: Launch, batch_heads: int) -> int | None:

@@ -29,11 +29,11 @@ import torch
 
 import kit  # noqa: F401 — before triton: the interpreter on machines without CUDA
 import kit.impl
-from kit import triton_compile
+from kit import triton_compile, triton_private
 from kit.checks import outcome_of
 from kit.model import TransformerLM, naive_attention
 from kit.testing import assert_close, assert_equal, assert_raised
-from tests.support.flash_attention import flash_class, run_named
+from tests.support.flash_attention import BACKWARD_DESIGNS, backward_design, flash_class, run_named
 from tests.support.flash_attention import run as run_flash
 
 pytestmark = [
@@ -50,6 +50,8 @@ FLOOR = {torch.float16: 1e-4, torch.bfloat16: 1e-3}
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 COMPILE_BH = (2, 3)  # batch·heads = 6: no tile count of these shapes is 6, so the grid axis of BH is known
 MANY_HEADS = 65_600  # see test_triton_grids_fit_cuda_limits_for_many_heads
+# Every test of the Triton backward asks for each design in BACKWARD_DESIGNS (tests/support/flash_attention.py).
+
 
 
 def make_inputs(q_shape, kv_shape, dtype, device=DEVICE, seed=0):
@@ -69,12 +71,14 @@ def _flash_attention():
     return kit.impl.load().flash_attention
 
 
-def _run(name, q, k, v, do, is_causal, backward, permute=None, autotune=None) -> dict:
+def _run(name, q, k, v, do, is_causal, backward, permute=None, autotune=None, design=None) -> dict:
     """O, saved tensors and gradients of ``flash_attention.<name>`` (tests/support/flash_attention.py);
-    ``autotune`` (a GPU): ``triton_config.AUTOTUNE`` set to it for the duration."""
+    ``autotune`` (a GPU): ``triton_config.AUTOTUNE`` set to it for the duration; ``design``: the backward design
+    (:func:`backward_design`)."""
     with contextlib.ExitStack() as stack:
         if autotune is not None:
             stack.enter_context(mock.patch.object(_flash_attention().triton_config, "AUTOTUNE", autotune))
+        stack.enter_context(backward_design(design))
         return run_named(name, q, k, v, do, is_causal, backward, permute=permute)
 
 
@@ -146,26 +150,17 @@ def _matmul_work(q, k, v, do) -> dict:
     return work
 
 
-def _triton_backward_twice(q, k, v, do) -> dict:
-    """The gradients of two identical Triton backward passes, and the atomic operations their kernels used."""
-    atomics = []
+def _triton_backward_twice(q, k, v, do, design=None) -> dict:
+    """The gradients of two identical Triton backward passes, and the atomic operations their kernels used
+    (``{"op": "rmw"|"cas", "dtype": …}``)."""
     with contextlib.ExitStack() as stack:
-        if kit.triton_interpreted():
-            # Under the interpreter programs run one after another, so an atomic reduction would still be
-            # reproducible here; record atomics instead — on a GPU they make the summation order random.
-            from triton.runtime.interpreter import InterpreterBuilder
-
-            for name in ("create_atomic_rmw", "create_atomic_cas"):
-                original = getattr(InterpreterBuilder, name)
-
-                def recording(self, *args, _original=original, _name=name, **kwargs):
-                    atomics.append(_name)
-                    return _original(self, *args, **kwargs)
-
-                stack.enter_context(mock.patch.object(InterpreterBuilder, name, recording))
+        stack.enter_context(backward_design(design))
+        # Under the interpreter programs run one after another, so an atomic reduction would still be
+        # reproducible here; record atomics instead — on a GPU a floating-point one makes the summation order random.
+        atomics = stack.enter_context(triton_private.atomics_recorded()) if kit.triton_interpreted() else []
         first = run_named("FlashAttentionTriton", q, k, v, do, True, backward=True)["grads"]
         second = run_named("FlashAttentionTriton", q, k, v, do, True, backward=True)["grads"]
-    return {"first": first, "second": second, "atomics": atomics}
+    return {"first": first, "second": second, "atomics": list(atomics)}
 
 
 @contextlib.contextmanager
@@ -184,32 +179,29 @@ def nan_filled_empty():
         yield
 
 
-def _triton_with_nan_filled_empty(q, k, v, do) -> dict:
-    with nan_filled_empty():
+def _triton_with_nan_filled_empty(q, k, v, do, design=None) -> dict:
+    with nan_filled_empty(), backward_design(design):
         return run_named("FlashAttentionTriton", q, k, v, do, True, backward=True)
-
-
-def _launch_data(launch: triton_compile.Launch) -> dict:
-    return {"module": launch.module, "name": launch.name, "args": launch.args, "grid": launch.grid,
-            "options": launch.options}
 
 
 def _compiled_kernels() -> list[dict]:
     """Records the kernels a causal forward + backward of FlashAttentionTriton launches (fp16 and fp32; Nq = 40
-    < Nk = 72, D = 64), compiles them for sm_90 in the worker's scratch, and returns each report as data."""
+    < Nk = 72, D = 64; each backward design), compiles them for sm_90 in the worker's scratch, as a GPU launch
+    of the same arguments would, and returns each report as data."""
     fn = _flash_attention().FlashAttentionTriton
 
     def forward_and_backward():
         for dtype in (torch.float16, torch.float32):
             q, k, v, do = make_inputs((*COMPILE_BH, 40, 64), (*COMPILE_BH, 72, 64), dtype)
-            run_flash(fn, q, k, v, do, True, backward=True)
+            for design in BACKWARD_DESIGNS:
+                with backward_design(design):
+                    run_flash(fn, q, k, v, do, True, backward=True)
 
     launches = triton_compile.record_launches(forward_and_backward)
     root = Path(__file__).resolve().parent.parent
     workdir = Path(tempfile.mkdtemp(prefix="sm90-"))
     reports = triton_compile.compile_launches(launches, workdir, root) if launches else []
-    return [{"launch": _launch_data(r.launch), "error": r.error, "shared": r.shared, "ptxas": r.ptxas,
-             "ttir": r.ttir, "wgmma": r.wgmma} for r in reports]
+    return [r.as_data() for r in reports]
 
 
 def _launches_for_many_heads() -> list[dict]:
@@ -218,9 +210,11 @@ def _launches_for_many_heads() -> list[dict]:
 
     def forward_and_backward():
         q, k, v, do = make_inputs((MANY_HEADS, 1, 16), (MANY_HEADS, 1, 16), torch.float16)
-        run_flash(fn, q, k, v, do, True, backward=True)
+        for design in BACKWARD_DESIGNS:
+            with backward_design(design):
+                run_flash(fn, q, k, v, do, True, backward=True)
 
-    return [_launch_data(la) for la in triton_compile.record_launches(forward_and_backward, execute=False)]
+    return [la.as_data() for la in triton_compile.record_launches(forward_and_backward, execute=False)]
 
 
 def _train_with_flash_attention(state: dict, tokens: torch.Tensor) -> dict:
@@ -296,12 +290,14 @@ def check_forward(worker, name, dtype, is_causal):
 
 
 def check_backward(worker, name, dtype, is_causal):
-    for q_shape, kv_shape in SHAPES:
+    designs = BACKWARD_DESIGNS if name == "FlashAttentionTriton" else (None,)
+    for (q_shape, kv_shape), design in ((shapes, design) for shapes in SHAPES for design in designs):
         q, k, v, do = make_inputs(q_shape, kv_shape, dtype)
-        _, _, grads = run(worker, name, q, k, v, do, is_causal, backward=True)
+        _, _, grads = run(worker, name, q, k, v, do, is_causal, backward=True, design=design)
         o64, _, leaves = attention_float64(q, k, v, is_causal)
         o64.backward(do.double())
-        where = f"{name} {dtype} causal={is_causal} q {q_shape} k/v {kv_shape}"
+        where = f"{name} {dtype} causal={is_causal} q {q_shape} k/v {kv_shape}" + (
+            f", backward design {design!r}" if design else "")
         for gname, grad, leaf in zip(("dQ", "dK", "dV"), grads, leaves):
             assert grad is not None, f"{gname} is None ({where}): backward must return gradients for q, k, v"
             assert_equal(grad.dtype, dtype, name=f"{gname} dtype ({where})", section="handout 03 §3")
@@ -470,16 +466,22 @@ def test_triton_backward_matches_float64(worker, dtype, is_causal):
 
 @pytest.mark.points(2)
 def test_triton_backward_is_deterministic(worker):
-    """Two backward passes give bitwise-equal gradients, and no atomic read-modify-write is used."""
+    """Two backward passes give bitwise-equal gradients, and no floating-point atomic operation is used."""
     q, k, v, do = make_inputs((2, 2, 100, 32), (2, 2, 100, 32), torch.float16)
-    got = worker.call(_triton_backward_twice, q, k, v, do)
-    first, second, atomics = got["first"], got["second"], got["atomics"]
-    for name, a, b in zip(("dQ", "dK", "dV"), first, second):
-        assert torch.equal(a, b), (f"{name} differs between two identical backward passes (max |diff| "
-                                   f"{(a.float() - b.float()).abs().max().item():.3g}). See handout 03 §6.")
-    assert not atomics, (f"the backward used atomic operations ({sorted(set(atomics))}): their summation order "
-                         "varies from run to run on a GPU. Give each program its own rows of dQ, dK, dV "
-                         "(handout 03 §6).")
+    for design in BACKWARD_DESIGNS:
+        got = worker.call(_triton_backward_twice, q, k, v, do, design)
+        first, second, atomics = got["first"], got["second"], got["atomics"]
+        for name, a, b in zip(("dQ", "dK", "dV"), first, second):
+            assert torch.equal(a, b), (f"{name} differs between two identical backward passes (backward design "
+                                       f"{design!r}; max |diff| {(a.float() - b.float()).abs().max().item():.3g}). "
+                                       "See handout 03 §6.")
+        # An atomic on integers (a counter that orders the additions) is deterministic; one on floats adds in
+        # whatever order the GPU schedules the programs, and float addition is not associative.
+        floats = sorted({f"atomic {a['op']} on {a['dtype']}" for a in atomics if a["dtype"].startswith(("fp", "bf"))})
+        assert not floats, (
+            f"the backward (design {design!r}) used floating-point atomic operations ({', '.join(floats)}): their "
+            "summation order varies from run to run on a GPU. Give each program its own rows of dQ, dK, dV, or add "
+            "in a fixed order (handout 03 §6).")
 
 
 @pytest.mark.points(1)
@@ -487,10 +489,14 @@ def test_triton_causal_keys_no_query_reaches_get_zero_gradients(worker):
     """Causal, Nq = 40 < Nk = 200: key rows j ≥ 40 are seen by no query, so their dK and dV are exactly 0 —
     even when freshly allocated memory holds garbage (here: NaN)."""
     q, k, v, do = make_inputs((1, 2, 40, 16), (1, 2, 200, 16), torch.float32)
-    got = worker.call(_triton_with_nan_filled_empty, q, k, v, do)
+    for design in BACKWARD_DESIGNS:
+        check_unreached_keys(worker.call(_triton_with_nan_filled_empty, q, k, v, do, design), design)
+
+
+def check_unreached_keys(got: dict, design: str) -> None:
     o, grads = got["o"], got["grads"]
     assert torch.isfinite(o).all(), "O has non-finite values: a buffer from torch.empty was read before written"
-    where = "causal, q (1, 2, 40, 16), k/v (1, 2, 200, 16), torch.empty returning NaN"
+    where = f"causal, q (1, 2, 40, 16), k/v (1, 2, 200, 16), torch.empty returning NaN, backward design {design!r}"
     assert torch.isfinite(grads[0]).all(), (
         f"dQ has non-finite values ({where}): some rows of dQ were never written (handout 03 §6).")
     for name, grad in zip(("dK", "dV"), grads[1:]):
@@ -514,14 +520,16 @@ def test_strided_view_inputs(worker, name):
     g = torch.Generator().manual_seed(3)
     base = [torch.randn(n, 2, 3, 16, generator=g) for n in (40, 56, 56, 40)]
     q, k, v, do = (t.permute(1, 2, 0, 3) for t in base)
-    # The worker makes the same views of the same (T, B, H, D) tensors, so it sees exactly these strides.
-    o, _, grads = run(worker, name, *base, True, backward=True, permute=(1, 2, 0, 3))
     o64, _, leaves = attention_float64(q, k, v, True)
     o64.backward(do.double())
-    where = f"{name}, causal, (B, H, T, D) = permute(1, 2, 0, 3) of (T, B, H, D), strides {q.stride()}"
-    assert_close(o, o64, name=f"O ({where})", section="handout 03 §5", rtol=1e-4, atol=1e-4)
-    for gname, grad, leaf in zip(("dQ", "dK", "dV"), grads, leaves):
-        assert_close(grad, leaf.grad, name=f"{gname} ({where})", section="handout 03 §6", rtol=1e-4, atol=1e-4)
+    for design in BACKWARD_DESIGNS if name == "FlashAttentionTriton" else (None,):
+        # The worker makes the same views of the same (T, B, H, D) tensors, so it sees exactly these strides.
+        o, _, grads = run(worker, name, *base, True, backward=True, permute=(1, 2, 0, 3), design=design)
+        where = f"{name}, causal, (B, H, T, D) = permute(1, 2, 0, 3) of (T, B, H, D), strides {q.stride()}" + (
+            f", backward design {design!r}" if design else "")
+        assert_close(o, o64, name=f"O ({where})", section="handout 03 §5", rtol=1e-4, atol=1e-4)
+        for gname, grad, leaf in zip(("dQ", "dK", "dV"), grads, leaves):
+            assert_close(grad, leaf.grad, name=f"{gname} ({where})", section="handout 03 §6", rtol=1e-4, atol=1e-4)
 
 
 # The interpreter runs kernel bodies as Python, so it accepts code the Triton compiler rejects (Python
@@ -533,19 +541,13 @@ def test_strided_view_inputs(worker, name):
 _COMPILED: dict[str, tuple] = {}
 
 
-def _launch(data: dict) -> triton_compile.Launch:
-    return triton_compile.Launch(data["module"], data["name"], data["args"], tuple(data["grid"]), data["options"])
-
-
 def compiled_kernels(worker) -> tuple[int, list]:
     """(batch·heads, [CompileReport]) for the fp16 and fp32 launches of a causal forward + backward
     (Nq = 40 < Nk = 72, D = 64): fp16 takes the GPU path (tensor cores, no upcast) even in the
     interpreter, fp32 the exact-precision one. Compiled once per session, in the worker."""
     package = kit.impl.selected()
     if package not in _COMPILED:
-        reports = [triton_compile.CompileReport(_launch(r["launch"]), error=r["error"], shared=r["shared"],
-                                                ptxas=r["ptxas"], ttir=r["ttir"], wgmma=r["wgmma"])
-                   for r in worker.call(_compiled_kernels)]
+        reports = [triton_compile.CompileReport.from_data(r) for r in worker.call(_compiled_kernels)]
         _COMPILED[package] = (math.prod(COMPILE_BH), reports)
     return _COMPILED[package]
 
@@ -611,7 +613,7 @@ CUDA_GRID_LIMITS = (2**31 - 1, 65_535, 65_535)
 @pytest.mark.points(1)
 def test_triton_grids_fit_cuda_limits_for_many_heads(worker):
     """With batch·heads = 65,600 every forward and backward launch grid fits CUDA's per-axis limits."""
-    launches = [_launch(d) for d in worker.call(_launches_for_many_heads)]
+    launches = [triton_compile.Launch.from_data(d) for d in worker.call(_launches_for_many_heads)]
     assert launches, ("FlashAttentionTriton launched no @triton.jit kernel: the forward and backward must run "
                       "Triton kernels (kernel[grid](...)), not PyTorch code (handout 03 §5).")
     for la in launches:

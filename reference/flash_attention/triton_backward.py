@@ -142,6 +142,8 @@ def flash_bwd_dkdv_kernel(
     dK · sm_scale and dV.
     """
     # BEGIN SOLUTION load k, v; run _dkdv_inner (diagonal masked, rest unmasked); store dK, dV (handout 03 §6)
+    tl.static_assert(BLOCK_N % BLOCK_M == 0, "BLOCK_N must be a multiple of BLOCK_M: the causal diagonal of a "
+                                             "key tile then starts on a query-tile boundary (§4)")
     bh = tl.program_id(0).to(tl.int64)
     start_n = tl.program_id(1) * BLOCK_N
     offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -241,6 +243,8 @@ def flash_bwd_dq_kernel(
     unmasked left of the diagonal, masked on it, skipped right of it); store dQ · sm_scale.
     """
     # BEGIN SOLUTION load q, dO, L, D; run _dq_inner over key tiles as in the forward; store dQ (handout 03 §6)
+    tl.static_assert(BLOCK_M % BLOCK_N == 0, "BLOCK_M must be a multiple of BLOCK_N: the causal diagonal of a "
+                                             "query tile then starts on a key-tile boundary (§4)")
     bh = tl.program_id(0).to(tl.int64)
     if IS_CAUSAL:  # heavy tiles first, as in the forward
         start_m = (tl.cdiv(Nq, BLOCK_M) - 1 - tl.program_id(1)) * BLOCK_M

@@ -134,6 +134,8 @@ def flash_fwd_kernel(
     O = acc / l in O's dtype and L = ln 2 · (m + log2 l).
     """
     # BEGIN SOLUTION load the Q tile, run _fwd_inner (off-diagonal, then diagonal), store O and L (handout 03 §5)
+    tl.static_assert(BLOCK_M % BLOCK_N == 0, "BLOCK_M must be a multiple of BLOCK_N: the causal diagonal of a "
+                                             "query tile then starts on a key-tile boundary (§4)")
     bh = tl.program_id(0).to(tl.int64)  # 64-bit: bh · stride can pass 2³¹ for long sequences
     if IS_CAUSAL:
         # Heavy tiles first: query tile t visits t + 1 diagonal-bounded key ranges, so launch the last first.

@@ -3,7 +3,9 @@
 
 The forward launches :func:`triton_attention_forward` and saves exactly what the backward needs to
 recompute the attention matrix tile by tile — q, k, v, o and the log-sum-exp L — and nothing of size
-Nq × Nk. The backward launches :func:`triton_attention_backward`.
+Nq × Nk. The backward launches :func:`triton_attention_backward` (three kernels), or the one-kernel
+:func:`triton_attention_backward_fused` where ``triton_config.run_backward`` picks it (§6: on a GPU, the
+faster of the two; ``LLMSYS_FA_BACKWARD=fused`` forces it).
 """
 
 from __future__ import annotations
@@ -12,7 +14,8 @@ import torch
 
 from .checks import TRITON_HEAD_DIMS, check_attention_inputs
 from .triton_backward import triton_attention_backward
-from .triton_config import check_triton_device
+from .triton_backward_fused import triton_attention_backward_fused
+from .triton_config import check_triton_device, run_backward
 from .triton_forward import triton_attention_forward
 
 
@@ -32,4 +35,4 @@ class FlashAttentionTriton(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None]:
         q, k, v, o, L = ctx.saved_tensors
-        raise NotImplementedError("FlashAttentionTriton.backward: gradients from triton_attention_backward, None for is_causal (handout 03 §6)")
+        raise NotImplementedError("FlashAttentionTriton.backward: gradients from run_backward (or triton_attention_backward), None for is_causal (handout 03 §6)")

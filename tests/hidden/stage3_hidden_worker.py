@@ -6,7 +6,7 @@ tolerances and messages; this module is the only part of the hidden tests a work
 
 from __future__ import annotations
 
-from tests.support.flash_attention import flash_class, run
+from tests.support.flash_attention import backward_design, flash_class, run
 
 
 def causal_runs(name: str, q, k, v, k2, v2, do) -> dict:
@@ -17,6 +17,8 @@ def causal_runs(name: str, q, k, v, k2, v2, do) -> dict:
     return {"o1": first["o"], "dq1": first["grads"][0], "o2": second["o"], "dq2": second["grads"][0]}
 
 
-def triton_causal(q, k, v, do) -> dict:
-    """O, saved tensors and gradients of a causal FlashAttentionTriton forward + backward."""
-    return run(flash_class("FlashAttentionTriton"), q, k, v, do, True, backward=True)
+def triton_causal(q, k, v, do, design=None) -> dict:
+    """O, saved tensors and gradients of a causal FlashAttentionTriton forward + backward (``design``: the
+    backward design asked for)."""
+    with backward_design(design):
+        return run(flash_class("FlashAttentionTriton"), q, k, v, do, True, backward=True)

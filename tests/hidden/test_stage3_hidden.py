@@ -11,6 +11,7 @@ from stage3_hidden_worker import causal_runs, triton_causal
 
 import kit  # noqa: F401 — before triton: the interpreter on machines without CUDA
 from kit.testing import assert_close
+from tests.support.flash_attention import BACKWARD_DESIGNS
 from tests.test_stage3_flash_attention import DEVICE, attention_float64, make_inputs, tolerance
 
 pytestmark = [
@@ -40,13 +41,13 @@ def test_causal_rows_ignore_future_keys(worker, name):
 @pytest.mark.points(2)
 def test_triton_head_dims_64_and_128(worker):
     """The Triton kernels at head dims 64 and 128, bf16, causal, Nq < Nk, forward and backward."""
-    for d in (64, 128):
+    for d, design in ((d, design) for d in (64, 128) for design in BACKWARD_DESIGNS):
         q, k, v, do = make_inputs((1, 1, 40, d), (1, 1, 70, d), torch.bfloat16, device=DEVICE)
-        got = worker.call(triton_causal, q, k, v, do)
+        got = worker.call(triton_causal, q, k, v, do, design)
         o, grads = got["o"], got["grads"]
         o64, _, leaves = attention_float64(q, k, v, True)
         o64.backward(do.double())
         assert_close(o, o64, name=f"O (D={d})", section="handout 03 §5", **tolerance(q, k, v, True, "o"))
         for name, grad, leaf in zip(("dQ", "dK", "dV"), grads, leaves):
-            assert_close(grad, leaf.grad, name=f"{name} (D={d})", section="handout 03 §6",
-                         **tolerance(q, k, v, True, name, do))
+            assert_close(grad, leaf.grad, name=f"{name} (D={d}, backward design {design!r})",
+                         section="handout 03 §6", **tolerance(q, k, v, True, name, do))

@@ -161,12 +161,13 @@ def fake_compiled(blocks: dict, warps: int, stages: int, ptx: str = "wgmma.mma_a
 
 
 def test_kernel_report_marks_the_autotuned_choice(monkeypatch):
-    pick = SimpleNamespace(kwargs={"BLOCK_M": 128, "BLOCK_N": 64}, num_warps=4, num_stages=3)
+    pick = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
     chosen = fake_compiled({"BLOCK_M": 128, "BLOCK_N": 64, "HEAD_DIM": 64}, 4, 3)
     other = fake_compiled({"BLOCK_M": 64, "BLOCK_N": 64, "HEAD_DIM": 64}, 4, 3, ptx="mma.sync", spills=16)
     kernel = SimpleNamespace(device_caches={0: ({"a": chosen, "b": other}, None, None)})
-    launcher = SimpleNamespace(kernel=kernel, kind="forward", tuned=SimpleNamespace(cache={("k",): pick}))
-    fixed = SimpleNamespace(kernel=SimpleNamespace(device_caches={0: ({"c": chosen},)}), kind="dq", tuned=None)
+    launcher = SimpleNamespace(kernel=kernel, kind="forward", tuned=object(), chosen={"forward|…|H100": pick})
+    fixed = SimpleNamespace(kernel=SimpleNamespace(device_caches={0: ({"c": chosen},)}), kind="dq", tuned=None,
+                            chosen={})
     monkeypatch.setattr(gpu_check, "launchers", lambda pkg: [launcher, fixed])
     rows = gpu_check.kernel_report([object()])
     assert [(r["kernel"], r["BLOCK_M"], r["chosen"], r["wgmma"], r["spills"]) for r in rows] == [
@@ -183,7 +184,7 @@ def test_kernel_report_survives_a_kernel_that_does_not_load():
 
 def test_launchers_are_found_in_the_flash_attention_package(impl):
     found = gpu_check.launchers(impl.flash_attention)
-    assert sorted(lch.kind for lch in found) == ["dkdv", "dq", "forward"]
+    assert sorted(lch.kind for lch in found) == ["dkdv", "dq", "forward", "fused"]
 
 
 REAL_COMPILE = r"""
@@ -231,7 +232,8 @@ def test_crosscheck_code_path_runs_on_cpu_at_a_small_shape(tmp_path):
     CPU: the Triton kernels interpreted. Its leaderboard figures are only ever measured on a GPU."""
     assert gpu_check.crosscheck(tmp_path, dict(batch_heads=2, seq=64, d_head=16), device="cpu")
     rows = json.loads((tmp_path / "crosscheck.json").read_text())["rows"]
-    assert [r["quantity"] for r in rows] == ["O", "dQ", "dK", "dV"] and all(r["ok"] for r in rows)
+    assert [(r["backward design"], r["quantity"]) for r in rows] == [
+        (design, q) for design in ("split", "fused") for q in ("O", "dQ", "dK", "dV")] and all(r["ok"] for r in rows)
     assert (tmp_path / "kernels.md").exists()
 
 

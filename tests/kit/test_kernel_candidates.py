@@ -4,10 +4,11 @@ The kernels' speed on a GPU rests on properties the CPU interpreter cannot show,
 ``tl.dot`` must lower to Hopper's warpgroup MMA (``wgmma`` in the PTX: without it the tensor cores run at a
 fraction of their rate), the pipelined tiles must fit the 227 KiB of shared memory a block may use, and
 ptxas must not spill registers to local memory (each spill is a round trip through L1 in the hot loop).
-This test compiles each autotune candidate (``triton_config.gpu_configs(kind, D)``) and each fixed config, for bf16
-and fp16, at head dims 64 and 128, causal and not, with Triton's own compiler and ptxas (shipped with
-Triton), and fails when any of them loses wgmma, overflows shared memory or spills: a kernel change that
-does so fails CI instead of a benchmark weeks later.
+This test compiles each autotune candidate (``triton_config.gpu_configs(kind, D)``) and each fixed config of
+every kernel (forward, both backward designs), for bf16 and fp16, at head dims 64 and 128, causal and not,
+with Triton's own compiler and ptxas (shipped with Triton), as a launch on tensors whose addresses, strides
+and lengths are multiples of 16 builds it (``kit.triton_compile``), and fails when any of them loses wgmma,
+overflows shared memory or spills: a kernel change that does so fails CI instead of a benchmark weeks later.
 
 ``make test`` runs a representative subset (causal, one dtype per head dim: bf16 at D = 128, fp16 at D = 64
 — the variants with the most code and the most registers); ``make check-kernels`` sets
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -27,6 +29,7 @@ import kit  # noqa: F401 — before triton
 from instructor import gpu_check
 from kit import triton_compile
 from kit.impl import load
+from tests.support import launch_cases
 
 ROOT = Path(__file__).resolve().parents[2]
 FULL = os.environ.get("LLMSYS_KERNEL_SWEEP", "") == "full"
@@ -36,17 +39,20 @@ GPU_CONSTEXPRS = {"UPCAST": False, "DOT_PRECISION": "tf32"}  # what a GPU launch
 
 
 def recorded_launches(package, head_dim: int, is_causal: bool) -> list:
-    """The fp16 launches of one forward + backward in the interpreter (tiny shapes): the argument types and
-    constexprs of every kernel, to be recompiled with each candidate's tiles."""
-    fn = package.flash_attention.FlashAttentionTriton
+    """The fp16 launches of one forward + backward (each backward design) in the interpreter, not run: the
+    arguments and constexprs of every kernel, to be compiled with each candidate's tiles. Lengths 256 and
+    contiguous tensors make every address, stride and length a multiple of 16, as at the goal shapes, so the
+    check builds what those launches build (kit.triton_compile: Triton specialises on it)."""
+    fa = package.flash_attention
+    q, k, v, do = launch_cases.make((2, 256, head_dim), (2, 256, head_dim), "contiguous")
 
     def forward_and_backward():
-        g = torch.Generator().manual_seed(0)
-        q, k, v, do = (torch.randn(1, 2, 64, head_dim, generator=g).half() for _ in range(4))
-        q, k, v = (t.requires_grad_() for t in (q, k, v))
-        fn.apply(q, k, v, is_causal).backward(do)
+        for design in fa.triton_config.BACKWARD_DESIGNS:
+            with mock.patch.object(fa.triton_config, "BACKWARD", design):
+                o = fa.FlashAttentionTriton.apply(*(t.clone().requires_grad_() for t in (q, k, v)), is_causal)
+                o.backward(do)
 
-    return triton_compile.record_launches(forward_and_backward)
+    return triton_compile.record_launches(forward_and_backward, execute=False)
 
 
 def candidate_launches(package) -> list:
@@ -59,9 +65,7 @@ def candidate_launches(package) -> list:
             template = triton_compile.with_config(template, {k: v for k, v in GPU_CONSTEXPRS.items()
                                                              if k in template.args})
             for dtype in sorted({dt for dt, dd, cc in SWEEP if (dd, cc) == (d, causal)}):
-                typed = triton_compile.Launch(template.module, template.name, {
-                    k: {**a, "dtype": dtype} if a["kind"] == "ptr" and a["dtype"] == "fp16" else a
-                    for k, a in template.args.items()}, template.grid, dict(template.options))
+                typed = triton_compile.with_dtype(template, "fp16", dtype)
                 kind = kinds.get(template.name)
                 if kind is None:  # the preprocess kernel: one fixed tile size
                     launches.append(typed)
@@ -103,11 +107,27 @@ def test_every_gpu_config_compiles_with_wgmma_no_spills_within_shared_memory(tmp
         + "\n  ".join(problems))
 
 
-@pytest.mark.parametrize("kind", ["forward", "dkdv", "dq"])
+@pytest.mark.parametrize("kind", ["forward", "dkdv", "dq", "fused"])
 def test_candidates_keep_the_tile_alignment_rule(kind):
-    """BLOCK_M a multiple of BLOCK_N (forward, dQ), BLOCK_N a multiple of BLOCK_M (dK/dV): the causal
-    diagonal then falls on a tile boundary (handout 03 §4)."""
+    """BLOCK_M a multiple of BLOCK_N (forward, dQ), BLOCK_N a multiple of BLOCK_M (dK/dV, fused): the causal
+    diagonal then falls on a tile boundary (handout 03 §4). The kernels assert it too (tl.static_assert)."""
     config = load("reference").flash_attention.triton_config
     for c in config.GPU_CONFIGS[kind]:
         m, n = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]
-        assert (n % m == 0) if kind == "dkdv" else (m % n == 0), f"{kind} candidate {c} breaks the alignment rule"
+        assert config.aligned(kind, m, n), f"{kind} candidate {c} breaks the alignment rule"
+
+
+def test_a_misaligned_config_fails_to_compile(tmp_path):
+    """The alignment rule is checked by each kernel (tl.static_assert), so a config that breaks it fails to compile
+    instead of computing wrong gradients on a GPU only (the interpreter uses its own aligned tiles)."""
+    package = load("reference")
+    kinds = {launcher.kernel.__name__: launcher.kind for launcher in gpu_check.launchers(package.flash_attention)}
+    bad = {"forward": (64, 128), "dkdv": (128, 64), "dq": (64, 128), "fused": (128, 64)}
+    launches = [triton_compile.with_config(la, {**GPU_CONSTEXPRS, "BLOCK_M": bad[kinds[la.name]][0],
+                                                "BLOCK_N": bad[kinds[la.name]][1]})
+                for la in recorded_launches(package, 64, True) if la.name in kinds]
+    reports = triton_compile.compile_launches(launches, tmp_path, ROOT)
+    # (the forward runs once per backward design, so it is recorded twice)
+    assert sorted({kinds[r.launch.name] for r in reports}) == ["dkdv", "dq", "forward", "fused"]
+    for r in reports:
+        assert "must be a multiple of" in r.error, f"{r.launch.name} compiled a misaligned config: {r.error[-300:]}"

@@ -5,7 +5,24 @@ Everything here runs in a worker (it calls the implementation); the judge only r
 
 from __future__ import annotations
 
+import contextlib
+from unittest import mock
+
 import kit.impl
+
+# The backward designs an implementation may offer (flash_attention/triton_config.py, run_backward). On a GPU the
+# faster one runs, so every test of the backward asks for each; one that is not offered runs the split design.
+BACKWARD_DESIGNS = ("split", "fused")
+
+
+@contextlib.contextmanager
+def backward_design(design: str | None):
+    """In a worker: ``triton_config.BACKWARD`` set to ``design`` for the duration (None: left as it is)."""
+    with contextlib.ExitStack() as stack:
+        if design is not None:
+            config = kit.impl.load().flash_attention.triton_config
+            stack.enter_context(mock.patch.object(config, "BACKWARD", design, create=True))
+        yield
 
 
 def run(fn, q, k, v, do, is_causal, backward) -> dict:
@@ -34,4 +51,4 @@ def run_named(name: str, q, k, v, do, is_causal, backward, permute: tuple[int, .
     return run(flash_class(name), q, k, v, do, is_causal, backward)
 
 
-__all__ = ["flash_class", "run", "run_named"]
+__all__ = ["BACKWARD_DESIGNS", "backward_design", "flash_class", "run", "run_named"]

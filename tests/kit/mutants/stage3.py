@@ -146,6 +146,51 @@ MUTANTS = [
            replace="nq * d, d, nk * d, d, nk * d, d,",
            mistake="the launcher assumes contiguous (BH, N, D) inputs instead of passing the real strides (§5)",
            expect="strides|permute"),
+    # ---------------------------------------------------------------- Triton fused backward (§6, optional)
+    Mutant("fused-dq-unscaled", "flash_attention/triton_backward_fused.py",
+           find="dq = tl.dot(tl.trans(dsT), k, input_precision=DOT_PRECISION) * sm_scale",
+           replace="dq = tl.dot(tl.trans(dsT), k, input_precision=DOT_PRECISION)",
+           mistake="the fused backward adds dS k to dQ without the 1/√D of ∂s/∂q (§3, §6)",
+           expect=r"dQ \(FlashAttentionTriton .*backward design 'fused'"),
+    Mutant("fused-delta-forgotten", "flash_attention/triton_backward_fused.py",
+           find="dsT = (pT * (dpT - delta[None, :])).to(q.dtype)",
+           replace="dsT = (pT * dpT).to(q.dtype)",
+           mistake="the fused backward forms dS = P ∘ dP, forgetting to subtract D = rowsum(dO ∘ O) (§3)",
+           expect=r"d[QK] \(FlashAttentionTriton .*backward design 'fused'"),
+    Mutant("fused-float-atomic-dq", "flash_attention/triton_backward_fused.py",
+           find='''    done = tl.atomic_add(counter, 0, sem="acquire")  # read with acquire semantics
+    if WAIT_FOR_TURN:
+        while done < turn:
+            done = tl.atomic_add(counter, 0, sem="acquire")
+    else:
+        # The interpreter runs one program at a time, to completion, so a wait could never end. It visits
+        # batch·heads in the outer loop and key tiles in ascending order inside it — the order waited for —
+        # so the turn has always come; should it not have, the sum is poisoned (NaN) instead of hanging.
+        dq = tl.where(done == turn, dq, float("nan"))
+    if CHECK_ROWS:
+        old = tl.load(acc_ptrs, mask=row_ok[:, None], other=0.0, cache_modifier=".cg")
+        tl.store(acc_ptrs, old + dq, mask=row_ok[:, None])
+    else:
+        old = tl.load(acc_ptrs, cache_modifier=".cg")
+        tl.store(acc_ptrs, old + dq)
+    tl.debug_barrier()  # every thread's store is done before the counter says so
+    tl.atomic_xchg(counter, turn + 1, sem="release")
+''',
+           replace="    tl.atomic_add(acc_ptrs, dq, mask=row_ok[:, None])\n",
+           mistake="the fused backward adds dQ with tl.atomic_add: correct sums, but in whatever order the GPU "
+                   "runs the programs, so two runs differ in the last bits (§6)",
+           expect="floating-point atomic"),
+    Mutant("fused-turn-not-passed-on", "flash_attention/triton_backward_fused.py",
+           find='    tl.atomic_xchg(counter, turn + 1, sem="release")\n',
+           replace="",
+           mistake="the fused backward adds its dQ but never advances the counter, so the next key tile's turn "
+                   "never comes (on a GPU it would wait for ever) (§6)",
+           expect=r"dQ \(FlashAttentionTriton .*backward design 'fused'"),
+    Mutant("fused-accumulator-uninitialised", "flash_attention/triton_backward_fused.py",
+           find="dq_acc = torch.zeros((bh, nq, d), dtype=torch.float32, device=q.device)",
+           replace="dq_acc = torch.empty((bh, nq, d), dtype=torch.float32, device=q.device)",
+           mistake="the dQ accumulator comes from torch.empty: the first key tile adds to garbage (§6)",
+           expect="dQ has non-finite values|dQ \\(FlashAttentionTriton"),
     Mutant("triton-backward-swaps-dk-dv", "flash_attention/triton_impl.py",
            find="        return dq, dk, dv, None\n",
            replace="        return dq, dv, dk, None\n",
