@@ -116,7 +116,12 @@ def test_confinement_refuses_and_the_refusal_is_reported(graded, name, evidence)
 def test_no_process_outlives_its_grading(graded):
     leftovers = _processes_with(b"7654321")
     assert not leftovers, f"processes started by orphan_processes are still running: {leftovers}"
-    assert "killed" in graded[0]["orphan_processes"].message
+    # Who kills them depends on timing: the spawn layer kills a worker's whole process tree with it (while the
+    # sleepers are still its descendants), the watchdog sweeps what re-parented to it and says so in the grade
+    # ("killed N process(es)"). Under load (make test at load 6-8) the first got them all and the grade
+    # rightly said nothing; the guarantee either way is the one above: nothing outlives the grading.
+    message = graded[0]["orphan_processes"].message
+    assert not message or "killed" in message, message
 
 
 def test_hang_and_memory_and_output_are_contained(graded):
