@@ -30,6 +30,7 @@ import torch.nn.functional as F
 import kit  # noqa: F401 — before triton: the interpreter on machines without CUDA
 import kit.impl
 from kit import triton_compile
+from kit.allocations import Allocations
 from kit.checks import outcome_of
 from kit.testing import assert_close, assert_equal, assert_raised
 
@@ -113,42 +114,12 @@ def _run_twice(h, w, t) -> dict:
     return {"first": first, "second": second, "atomics": atomics}
 
 
-def _storages(obj, found: set[int]) -> set[int]:
-    """The data pointers of every tensor's or storage's memory in ``obj`` (nested lists, tuples, dicts)."""
-    if isinstance(obj, torch.Tensor):
-        found.add(obj.untyped_storage().data_ptr())
-    elif isinstance(obj, torch.UntypedStorage):
-        found.add(obj.data_ptr())
-    elif isinstance(obj, (list, tuple)):
-        for item in obj:
-            _storages(item, found)
-    elif isinstance(obj, dict):
-        for item in obj.values():
-            _storages(item, found)
-    return found
-
-
 def _memory_record(h, w, t) -> dict:
     """The largest new memory any aten operation allocates during forward + backward (bytes, the tensor's shape
     and dtype, the op), and every tensor autograd saves for the backward (shapes and bytes), as data.
 
-    "New" means a storage none of the op's arguments already had: views, in-place ops and the Triton interpreter's
-    own views of the kernels' arguments (it wraps each argument's storage in a tensor) allocate nothing."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Allocations(TorchDispatchMode):
-        largest, what = 0, ""
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            old = _storages([args, kwargs or {}], set())
-            for x in out if isinstance(out, (tuple, list)) else (out,):
-                if isinstance(x, torch.Tensor) and x.untyped_storage().data_ptr() not in old:
-                    size = x.untyped_storage().nbytes()
-                    if size > self.largest:
-                        self.largest, self.what = size, f"{func} → {tuple(x.shape)} {x.dtype}"
-            return out
-
+    "New" is :class:`kit.allocations.Allocations`'s: a storage none of the op's arguments already had, so views,
+    in-place ops and the Triton interpreter's own views of the kernels' arguments allocate nothing."""
     saved: list[list] = []
 
     def pack(x: torch.Tensor) -> torch.Tensor:

@@ -64,16 +64,15 @@ from __future__ import annotations
 # First: on a machine without CUDA, `import kit` sets TRITON_INTERPRET=1, which triton reads when it is imported.
 import kit  # noqa: F401
 # isort: on
-import weakref
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from kit import triton_interpreted
+from kit.allocations import Allocations
 
 __all__ = ["FusedLinearCrossEntropy", "fused_ce_backward", "fused_ce_forward", "fused_linear_cross_entropy",
            "launch_config", "naive_linear_cross_entropy", "peak_memory_bytes"]
@@ -187,29 +186,15 @@ def naive_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targe
     return F.cross_entropy(logits.float(), targets.reshape(-1), ignore_index=ignore_index)
 
 
-def _storages_of(obj, found: set[int]) -> set[int]:
-    """The data pointers of the tensors and storages in ``obj`` (nested tuples, lists, dicts)."""
-    if isinstance(obj, torch.Tensor):
-        found.add(obj.untyped_storage().data_ptr())
-    elif isinstance(obj, torch.UntypedStorage):
-        found.add(obj.data_ptr())
-    elif isinstance(obj, (list, tuple)):
-        for item in obj:
-            _storages_of(item, found)
-    elif isinstance(obj, dict):
-        for item in obj.values():
-            _storages_of(item, found)
-    return found
-
-
 def peak_memory_bytes(fn: Callable[[], object]) -> int:
     """The most bytes of tensor memory allocated by ``fn()`` and alive at once, on any device.
 
     On CUDA: ``torch.cuda.max_memory_allocated`` above what was allocated before. On a CPU, where PyTorch keeps no
-    such statistic: every aten operation runs under a dispatch mode that adds the bytes of each new storage when it
-    is created and subtracts them when the last tensor using it dies (views and in-place results share their
-    input's storage and count nothing; nor do the Triton interpreter's views of kernel arguments). Memory allocated
-    before ``fn()`` (inputs, parameters) is not counted; what autograd keeps for the backward is, while it lives.
+    such statistic: :class:`kit.allocations.Allocations`, a dispatch mode that adds the bytes of each new storage
+    an aten operation creates and subtracts them when the last tensor using it dies (views and in-place results
+    share their input's storage and count nothing; nor do the Triton interpreter's views of kernel arguments).
+    Memory allocated before ``fn()`` (inputs, parameters) is not counted; what autograd keeps for the backward is,
+    while it lives.
     """
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize()
@@ -218,42 +203,9 @@ def peak_memory_bytes(fn: Callable[[], object]) -> int:
         fn()
         torch.cuda.synchronize()
         return max(torch.cuda.max_memory_allocated() - before, 0)
-
-    class LiveBytes(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.live, self.peak = 0, 0
-            self.owners: dict[int, list[int]] = {}  # storage pointer → [bytes, tensors alive that use it]
-
-        def _release(self, key: int) -> None:
-            entry = self.owners[key]
-            entry[1] -= 1
-            if entry[1] == 0:
-                self.live -= entry[0]
-                del self.owners[key]
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            inputs = None
-            for x in out if isinstance(out, (tuple, list)) else (out,):
-                if not isinstance(x, torch.Tensor) or x.untyped_storage().data_ptr() == 0:
-                    continue
-                key = x.untyped_storage().data_ptr()
-                if key not in self.owners:
-                    inputs = _storages_of([args, kwargs or {}], set()) if inputs is None else inputs
-                    if key in inputs:
-                        continue  # memory that existed before this op: a view, an in-place result
-                    self.owners[key] = [x.untyped_storage().nbytes(), 0]
-                    self.live += self.owners[key][0]
-                    self.peak = max(self.peak, self.live)
-                self.owners[key][1] += 1
-                weakref.finalize(x, self._release, key)
-            return out
-
-    mode = LiveBytes()
-    with mode:
+    with Allocations() as seen:
         fn()
-    return mode.peak
+    return seen.peak
 
 
 # ==================================================================================================== the kernels

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from kit import impl as impl_module
+from kit.allocations import Allocations
 from kit.model import ModelConfig, TransformerLM, get_config, naive_attention
 from kit.nsys import summarize_nsys_csv
 from kit.results import save_results
@@ -120,6 +121,22 @@ def _tiny_train_step():
     tokens = torch.randint(0, config.vocab_size, (2, 17))
     psi = sum(p.numel() for p in model.parameters())
     return memory_timeline.train_step_fn(model, optimizer, (tokens[:, :-1], tokens[:, 1:]), cross_entropy), psi
+
+
+def test_allocations_count_new_storages_only_and_free_them():
+    """Views and in-place ops allocate nothing; a freed tensor leaves ``live``; ``peak`` and ``largest`` stay."""
+    before = torch.ones(1000)  # exists before the mode: never counted
+    with Allocations() as seen:
+        a = torch.empty(300, dtype=torch.float64)  # 2400 B
+        view, _ = a[:10], before.add_(1)  # a view and an in-place result: nothing new
+        b = torch.zeros(100)  # 400 B
+        assert (seen.live, seen.peak) == (2800, 2800)
+        del a, view
+        assert seen.live == 400, "a storage stops counting when its last tensor dies"
+        c = torch.zeros(50)  # 200 B
+        assert (seen.live, seen.peak) == (600, 2800)
+    assert seen.largest == 2400 and "(300,) torch.float64" in seen.what, seen.what
+    del b, c
 
 
 def test_memory_timeline_classifies_a_train_step():
