@@ -10,7 +10,8 @@ A grade means something only if wrong answers lose points. The catalogue (``test
 instructor-only: it never ships in the release) lists, per stage, the mistakes students plausibly make —
 the ones the handout warns about first — each as a small find/replace patch of the reference. For each
 mutant this module builds a grading tree whose ``student/`` package is the reference with that one patch,
-runs the stage's **public** tests (all of them, as a student would), and reports:
+runs the stage's **public** tests (in a student's order, until one fails with a message that points at the
+mistake: the rest cannot change the verdict — :mod:`instructor.stop_on_match`), and reports:
 
 * ``killed``    — a public test failed; when the mutant gives ``expect`` (a regular expression), some failing
   test's message must match it, i.e. point at the mistake (``unpointed`` otherwise); the report names that test
@@ -126,7 +127,7 @@ def judge(stage: int, mutant: Mutant, tree: Path, timeout: float) -> Verdict:
     except LookupError as exc:
         verdict.verdict, verdict.message = "stale", str(exc)
         return verdict
-    code, junit, output = run_tests(tree, stage, timeout=timeout)
+    code, junit, output = run_tests(tree, stage, stop_when=mutant.expect or ".*", timeout=timeout)
     found = failures(junit)
     pointing = [f for f in found if mutant.expect and re.search(mutant.expect, f[1], re.I | re.S)]
     failure = (pointing or found or [None])[0]

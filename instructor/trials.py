@@ -9,6 +9,7 @@ A :class:`Verdict` is what ``python -m instructor mutants`` reports for one muta
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -63,13 +64,15 @@ def first_failure(junit: Path) -> tuple[str, str] | None:
     return found[0] if found else None
 
 
-def run_tests(tree: Path, stage: int, *, hidden_test: str = "", everything: bool = False,
+def run_tests(tree: Path, stage: int, *, hidden_test: str = "", everything: bool = False, stop_when: str = "",
               timeout: float = 900.0) -> tuple[int, Path, str]:
     """Run the stage's public tests (or one hidden test, or public and hidden until the first failure) in ``tree``.
 
-    The public tests all run, as they do for a student: a mistake in a component often also breaks a composed
+    The public tests run in the order a student's run takes: a mistake in a component often also breaks a composed
     test that runs earlier (stage 6's 4D training before its tensor-parallel tests), and what matters is that
-    some failing test's message points at the mistake.
+    some failing test's message points at the mistake. With ``stop_when`` (a regular expression, matched
+    case-insensitively against each failure's message) the run ends at the first failure that matches
+    (:mod:`instructor.stop_on_match`): the rest could not change the verdict.
     """
     junit = tree / f"junit-{time.monotonic_ns()}.xml"
     marker = stage_registry.get(stage).marker
@@ -80,10 +83,13 @@ def run_tests(tree: Path, stage: int, *, hidden_test: str = "", everything: bool
     else:
         selection = ["tests", "-m", f"{marker} and not hidden", "--ignore=tests/hidden"]
     stop_first = ["-x"] if hidden_test or everything else []
+    if stop_when and not stop_first:
+        shutil.copy(Path(__file__).with_name("stop_on_match.py"), tree / "_stop_on_match.py")
+        stop_first = ["-p", "_stop_on_match"]
     cmd = [sys.executable, "-m", "pytest", *selection, *stop_first, "-q", "-p", "no:cacheprovider", "--impl", "student",
            "-o", "addopts=", "-p", "kit", "-p", "kit.grading.plugin", f"--junitxml={junit}", "--tb=short"]
     env = {**os.environ, "LLMSYS_IMPL": "student", "PYTHONHASHSEED": "0", "MPLBACKEND": "Agg",
-           "PYTHONDONTWRITEBYTECODE": "1"}
+           "PYTHONDONTWRITEBYTECODE": "1", "LLMSYS_STOP_WHEN": stop_when}
     try:
         proc = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=timeout,
                               start_new_session=True)

@@ -9,8 +9,8 @@ offsets, shared memory and registers). This module closes that gap without namin
    — which ``@triton.jit`` function, each argument (for a tensor: its element type and how its address is
    aligned; for a scalar: its value), the constexpr values, the grid and the launch options — whatever the
    kernels and their parameters are called;
-2. :func:`compile_launches` compiles exactly those launches for a Hopper GPU (sm_90) in a child process
-   with the interpreter off (no GPU needed; :mod:`kit.triton_compile_child`) and returns one
+2. :func:`compile_launches` compiles exactly those launches for a Hopper GPU (sm_90) in child processes
+   (one per CPU, side by side) with the interpreter off (no GPU needed; :mod:`kit.triton_compile_child`) and returns one
    :class:`CompileReport` per launch: the compiler's error if any, shared memory, the ptxas
    register/spill line, and the Triton IR;
 3. :func:`tf32_dots` and :func:`narrow_offsets` inspect that IR: fp32 ``tl.dot`` must run at IEEE precision,
@@ -36,6 +36,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -168,30 +169,85 @@ def record_launches(fn: Callable[[], Any], execute: bool = True) -> list[Launch]
     return list(launches.values())
 
 
-def _run_child(mode: str, payload: Any, workdir: Path, root: Path, timeout: float) -> Any:
-    """Run ``python -m kit.triton_compile_child MODE IN OUT`` with the interpreter off and ``root`` on the path;
-    ``RuntimeError`` with the child's output if it crashes."""
+def _child_command(mode: str, payload: Any, workdir: Path, root: Path, tag: str) -> tuple[list[str], dict, Path]:
     workdir.mkdir(parents=True, exist_ok=True)
-    src, dst = workdir / f"{mode}-in.json", workdir / f"{mode}-out.json"
+    src, dst = workdir / f"{mode}{tag}-in.json", workdir / f"{mode}{tag}-out.json"
     dst.unlink(missing_ok=True)
     src.write_text(json.dumps(payload))
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(workdir / "triton-cache"),
            "PYTHONPATH": str(root) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    proc = subprocess.run([sys.executable, "-m", "kit.triton_compile_child", mode, str(src), str(dst)], env=env,
-                          cwd=root, capture_output=True, text=True, timeout=timeout)
-    if proc.returncode != 0 or not dst.exists():
-        raise RuntimeError(f"the compile step ({mode}) crashed:\n" + (proc.stdout + proc.stderr)[-3000:])
-    return json.loads(dst.read_text())
+    return [sys.executable, "-m", "kit.triton_compile_child", mode, str(src), str(dst)], env, dst
 
 
-def compile_launches(launches: list[Launch], workdir: Path, root: Path, timeout: float = 900) -> list[CompileReport]:
-    """Compile each recorded launch for sm_90 as a launch of its arguments would, in a child process
+def _run_children(mode: str, payloads: list[Any], workdir: Path, root: Path, timeout: float) -> list[Any]:
+    """Run one ``python -m kit.triton_compile_child MODE IN OUT`` per payload, all at once, with the interpreter
+    off and ``root`` on the path; their outputs in order. ``RuntimeError`` with a child's output if it crashes
+    (the others are stopped); ``subprocess.TimeoutExpired`` if they take longer than ``timeout`` together."""
+    children = []
+    try:
+        for i, payload in enumerate(payloads):
+            tag = f"-{i}" if len(payloads) > 1 else ""
+            command, env, dst = _child_command(mode, payload, workdir, root, tag)
+            log = (workdir / f"{mode}{tag}.log").open("w+")  # a file, not a pipe: a chatty child never blocks
+            children.append((subprocess.Popen(command, env=env, cwd=root, stdout=log, stderr=subprocess.STDOUT,
+                                              text=True), dst, log))
+        deadline = time.monotonic() + timeout
+        outputs = []
+        for proc, dst, log in children:
+            remaining = max(deadline - time.monotonic(), 0.1)
+            try:
+                proc.wait(timeout=remaining)
+            except subprocess.TimeoutExpired as e:
+                raise subprocess.TimeoutExpired(proc.args, timeout) from e
+            if proc.returncode != 0 or not dst.exists():
+                log.seek(0)
+                raise RuntimeError(f"the compile step ({mode}) crashed:\n" + log.read()[-3000:])
+            outputs.append(json.loads(dst.read_text()))
+        return outputs
+    finally:
+        for proc, _, log in children:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            log.close()
+
+
+def _run_child(mode: str, payload: Any, workdir: Path, root: Path, timeout: float) -> Any:
+    """One child (see :func:`_run_children`)."""
+    return _run_children(mode, [payload], workdir, root, timeout)[0]
+
+
+def compile_jobs() -> int:
+    """How many compile children run at once: one per CPU this process may use, at most 4 (each holds the
+    compiler, about 0.5 GB). Under ``taskset -c 0`` that is one, and the launches compile one after another."""
+    return max(1, min(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1, 4))
+
+
+def compile_launches(launches: list[Launch], workdir: Path, root: Path, timeout: float = 900,
+                     jobs: int | None = None) -> list[CompileReport]:
+    """Compile each recorded launch for sm_90 as a launch of its arguments would, in child processes
     (interpreter off, no GPU needed).
 
-    ``root`` goes on the child's ``PYTHONPATH`` so the kernels' modules import there; ``workdir`` holds the
-    Triton cache and the exchange files. Raises ``RuntimeError`` with the child's output if it crashes.
+    Launches that differ only in their grid go to the same child (they share one binary); the rest are
+    dealt out to ``jobs`` children (default :func:`compile_jobs`) that compile side by side —
+    ptxas and LLVM are single-threaded, and a test's compile is its largest single cost. ``root`` goes on
+    the children's ``PYTHONPATH`` so the kernels' modules import there; ``workdir`` holds the Triton cache
+    and the exchange files. Raises ``RuntimeError`` with a child's output if one crashes.
     """
-    reports = _run_child("compile", [la.as_data() for la in launches], workdir, root, timeout)
+    if not launches:
+        return []
+    binaries: dict[str, list[int]] = {}  # launches that differ only in their grid build the same binary
+    for i, la in enumerate(launches):
+        binaries.setdefault(la.key(), []).append(i)
+    groups: list[list[int]] = [[] for _ in range(min(jobs or compile_jobs(), len(binaries)))]
+    for indices in binaries.values():  # dealt in launch order, each to the child with the fewest so far
+        min(groups, key=len).extend(indices)
+    outputs = _run_children("compile", [[launches[i].as_data() for i in group] for group in groups], workdir, root,
+                            timeout)
+    reports: list[dict] = [{}] * len(launches)
+    for group, output in zip(groups, outputs):
+        for i, rep in zip(group, output):
+            reports[i] = rep
     return [CompileReport(la, **rep) for la, rep in zip(launches, reports)]
 
 

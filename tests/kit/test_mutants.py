@@ -122,6 +122,32 @@ def test_runner_reports_a_killed_mutant_with_the_test_and_message(stage1_tree: P
     assert mutants.judge(1, unpointed, stage1_tree, timeout=300).verdict == "unpointed"
 
 
+def test_a_mutant_run_stops_at_the_first_failure_that_points_at_the_mistake(stage1_tree: Path) -> None:
+    """Stopping early never changes a verdict: it ends at the first failure whose message matches, and a
+    pattern no failure matches runs every test, as the whole run would."""
+    import xml.etree.ElementTree as ET
+
+    from instructor.trials import failures, run_tests
+
+    def ran(junit: Path) -> list[str]:
+        return [case.get("name", "") for case in ET.parse(junit).getroot().iter("testcase")]
+
+    package = stage1_tree / "student"
+    shutil.rmtree(package, ignore_errors=True)
+    shutil.copytree(stage1_tree / "student.pristine", package)
+    mutants.apply(mutants.Mutant("scale-by-d", "benchmarking.py",
+                                 find="scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])",
+                                 replace="scores = q @ k.transpose(-2, -1) / q.shape[-1]", mistake=""), package)
+    _, whole, _ = run_tests(stage1_tree, 1, timeout=300)
+    every_failure = failures(whole)
+    assert every_failure, "the mutant must fail some stage 1 test for this check to mean anything"
+    first_name = every_failure[0][0]
+    _, stopped, _ = run_tests(stage1_tree, 1, stop_when=re.escape(every_failure[0][1][:40]), timeout=300)
+    assert ran(stopped)[-1] == first_name and len(ran(stopped)) < len(ran(whole)), ran(stopped)
+    _, unmatched, _ = run_tests(stage1_tree, 1, stop_when="a message no test prints", timeout=300)
+    assert ran(unmatched) == ran(whole) and failures(unmatched) == every_failure
+
+
 def test_runner_reports_survivors_and_stale_entries(stage1_tree: Path) -> None:
     harmless = mutants.Mutant("comment-only", "benchmarking.py", find="import math\n",
                               replace="import math  # a change no test can see\n", mistake="none")

@@ -133,7 +133,8 @@ def test_the_check_compiles_what_a_launch_compiles(tmp_path):
         la = next(la for la in recorded(fa, q, k, v, do, is_causal) if la.name == name)
         launches.append(triton_compile.with_config(la, {"UPCAST": False, "DOT_PRECISION": "tf32", "BLOCK_M": m,
                                                         "BLOCK_N": bn, "num_warps": w, "num_stages": s}))
-    ours = triton_compile.compile_launches(launches, tmp_path / "ours", ROOT)
+    # Three children side by side, whatever this machine's CPUs: each report must land with its own launch.
+    ours = triton_compile.compile_launches(launches, tmp_path / "ours", ROOT, jobs=3)
     real = [triton_compile.CompileReport(launches[0], **r) for r in triton_compile.compile_launched(
         "tests.support.launch_cases:launch_configs", tmp_path / "real", ROOT)]
     rows = []
