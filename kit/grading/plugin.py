@@ -175,8 +175,11 @@ def pytest_runtest_setup(item: pytest.Item):
     _State.files_started.add(file)
     budget = _State.limits.budget(item.nodeid, first_in_file=first_in_file)
     _write({"event": "start", "nodeid": item.nodeid, "limit": budget.total if budget.total < float("inf") else 0.0})
-    # Setup and call share one allowance: a module-scoped spawn in setup is the test's work too.
-    workers.set_allowance(workers.Allowance(cpu=budget.cpu, idle=_State.idle, wall=budget.run))
+    # Setup and call share one allowance: a module-scoped spawn in setup is the test's work too. A test that hangs
+    # on purpose (the kit's own tests of the idle limit) may shorten its idle limit with @pytest.mark.idle_limit(s).
+    marker = item.get_closest_marker("idle_limit")
+    idle = min(_State.idle, float(marker.args[0])) if marker else _State.idle
+    workers.set_allowance(workers.Allowance(cpu=budget.cpu, idle=idle, wall=budget.run))
     _State.cpu_at_phase_start = 0.0
     return (yield)
 
