@@ -12,6 +12,9 @@ GPU ?= $(if $(wildcard /dev/nvidiactl),1)
 WHEELS ?=
 WHEEL_PYTHON ?= 3.12
 WHEEL_SKIP ?=
+# `make test` runs the suite's files on this many pytest processes (pytest-xdist; 0: one process, in order). Two
+# halve its time on 2 cores: much of a test is waiting (for ranks, a subprocess, a grade), not computing.
+TEST_JOBS ?= 2
 STAMP := $(VENV)/.setup-stamp$(if $(GPU),-gpu)
 HAVE_REFERENCE := $(wildcard reference/__init__.py)
 export PYTHONDONTWRITEBYTECODE := 1
@@ -55,10 +58,10 @@ test: setup lint check-student test-reference ##@instructor everything CI checks
 endif
 
 test-reference: setup ##@instructor the whole suite (graded, kit, notebooks) against the reference
-	$(PY) -m pytest tests --impl reference $(if $(STAGE),-m "$$($(PY) -m kit stages --marker-expression $(STAGE))")
+	$(PY) -m pytest tests --impl reference -n $(TEST_JOBS) --dist loadfile $(if $(STAGE),-m "$$($(PY) -m kit stages --marker-expression $(STAGE))")
 
 test-kit: setup ##@instructor only the kit's own tests (grader, release, spawn helper)
-	$(PY) -m pytest tests/kit --impl reference
+	$(PY) -m pytest tests/kit --impl reference -n $(TEST_JOBS) --dist loadfile
 
 test-cluster: setup ##@instructor sbatch the kit's SLURM script on a 2-node SLURM started here (root; apt-get install -y slurm-wlm munge; ~1 min)
 	LLMSYS_TEST_CLUSTER=1 $(PY) -m pytest tests/kit/test_cluster.py --impl reference -p no:cacheprovider -v -s
