@@ -36,7 +36,7 @@ def _grade_batch(args: argparse.Namespace, **kwargs) -> int:
 
     out = Path(args.out or Path(args.batch) / "_grades")
     only = args.only.split(",") if args.only else None
-    report = grade_batch(Path(args.batch), out, jobs=args.jobs, only=only, force=args.force, **kwargs)
+    report = grade_batch(Path(args.batch), out, jobs=args.jobs or 1, only=only, force=args.force, **kwargs)
     for r in report.results:
         print(f"{r.submission:<30} {r.score:>6g} / {r.max_score:<6g} {r.status} {r.message}")
     if report.skipped:
@@ -58,10 +58,13 @@ def cmd_grade(args: argparse.Namespace) -> int:
     processes.install_interrupt_handlers()
     _warn_below_floor()
     kwargs = dict(stages=_stages(args.stage), include_hidden=args.hidden, limits=_limits(args))
+    if args.jobs is not None and args.jobs < 1:
+        print(f"error: --jobs must be at least 1, got {args.jobs}", file=sys.stderr)
+        return 2
     if args.batch:
         return _grade_batch(args, **kwargs)
     try:
-        result = running.grade(args.impl, **kwargs)
+        result = running.grade(args.impl, jobs=args.jobs or running.grading_jobs(), **kwargs)
     except FileNotFoundError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -162,7 +165,9 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--out", help="with --batch: where results and gradebook.csv go (default BATCH/_grades)")
     g.add_argument("--hidden", action="store_true", help="include the instructor-only hidden tests")
     _limit_options(g)
-    g.add_argument("--jobs", type=int, default=1, help="with --batch: submissions graded in parallel")
+    g.add_argument("--jobs", type=int, default=None,
+                   help="with --batch: submissions graded in parallel (default 1); otherwise: groups of stages graded "
+                        "side by side (default 2 with 2+ CPUs and 6 GiB free, else 1)")
     g.add_argument("--only", help="with --batch: regrade these submissions (comma-separated); other rows stay")
     g.add_argument("--force", action="store_true",
                    help="with --batch: regrade every submission (default: skip those already graded as they are)")

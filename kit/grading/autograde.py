@@ -17,11 +17,11 @@ def autograde(submission: Path, results: Path, *, stages: list[int] | None = Non
               limits: Limits | None = None) -> dict:
     """Grade one uploaded submission with the public and hidden tests; always write ``results``."""
     from kit.grading.reporting import gradescope_json
-    from kit.grading.running import grade
+    from kit.grading.running import grade, grading_jobs
 
     results.parent.mkdir(parents=True, exist_ok=True)
     try:
-        result = grade(str(submission), stages=stages, include_hidden=True, limits=limits)
+        result = grade(str(submission), stages=stages, include_hidden=True, limits=limits, jobs=grading_jobs())
         data = gradescope_json(result)
         if result.status == "error":
             data["output"] = "The autograder could not run the tests on this submission. " + result.message

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from kit.grading import batch, reporting, running, scoring
+from kit import stages
+from kit.grading import batch, reporting, running, scoring, timings
 from kit.grading.events import RunRecord
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -28,6 +29,31 @@ def test_reference_gets_full_marks_and_valid_gradescope_json():
     names = [t["name"] for t in data["tests"]]
     assert len(set(names)) == len(names), "results.json test names must be unique"
     assert all(n.startswith("Stage 1 · P1.") for n in names), names  # stage · handout problem · test
+
+
+def test_stage_groups_graded_side_by_side_give_the_same_result_as_one_run():
+    """``kit grade`` on a machine with 2 CPUs grades two groups of stages at once (``--jobs``): same tests, same
+    verdicts, in stage order, one status."""
+    one = running.grade("reference", stages=[1, 2])
+    two = running.grade("reference", stages=[1, 2], jobs=2)
+    assert two.status == "ok" and two.score == two.max_score == one.max_score > 0, reporting.format_table(two)
+    assert [(t.nodeid, t.status) for t in two.tests] == [(t.nodeid, t.status) for t in one.tests]
+    assert [t.stage for t in two.tests] == sorted(t.stage for t in two.tests)
+
+
+def test_stages_are_dealt_into_groups_of_about_equal_work():
+    every = [s.number for s in stages.STAGES]
+    groups = running.stage_groups(every, 2)
+    assert sorted(s for g in groups for s in g) == every and len(groups) == 2
+    assert running.stage_groups([3], 2) == [[3]], "one stage is one group"
+    assert running.stage_groups(every, 1) == [every]
+    heaviest = sorted(every, key=lambda s: -sum(sum(v[:3]) for k, v in timings.load(ROOT).items()
+                                                  if f"test_stage{s}" in k))[:2]
+    assert not any(set(heaviest) <= set(g) for g in groups), f"the two heaviest stages {heaviest} share a group"
+    parts = [scoring.GradeResult("x", status="ok", message="a"), scoring.GradeResult("x", status="timeout")]
+    merged = running.merge_results(parts, "x", 1.0)
+    assert merged.status == "timeout" and merged.message == "a"
+    assert running.merge_results([*parts, scoring.GradeResult("x", status="error")], "x", 1.0).status == "error"
 
 
 def test_test_names_are_unique_across_stages_and_match_gradebook_problems():
