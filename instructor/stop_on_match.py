@@ -8,8 +8,10 @@ match changes nothing, and a mutant no test catches still runs every test, so ev
 run would give.
 
 The text matched is what the junit report records as the failure's message (what
-:func:`instructor.trials.failures` reads and the verdict is judged on): the exception's own line for a failure,
-and the same text inside ``failed on setup with "…"`` for an error.
+:func:`instructor.trials.failures` reads and the verdict is judged on): the exception's message for a failure — as
+pytest shortens it for the report's ``message`` attribute, whole lines while they fit — and the same text inside
+``failed on setup with "…"`` for an error. Matching more than that (the full message) would stop a run at a
+failure the verdict then does not count.
 """
 
 from __future__ import annotations
@@ -22,10 +24,17 @@ import pytest
 PATTERN = os.environ.get("LLMSYS_STOP_WHEN", "")
 
 
+try:  # pytest ≥ 8.4 shortens the junit ``message`` attribute; earlier versions write it whole
+    from _pytest.junitxml import shorten_message
+except ImportError:  # pragma: no cover — depends on the installed pytest
+    def shorten_message(msg: str) -> str:
+        return msg
+
+
 def junit_message(report: pytest.TestReport) -> str:
-    """The message junit-xml writes for a failed ``report`` (pytest's ``_pytest.junitxml``, without its prefix)."""
+    """The message junit-xml writes for a failed ``report`` (``_pytest.junitxml``, without its setup prefix)."""
     crash = getattr(report.longrepr, "reprcrash", None)
-    return getattr(crash, "message", None) or str(report.longrepr)
+    return shorten_message(getattr(crash, "message", None) or str(report.longrepr))
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -148,6 +148,19 @@ def test_a_mutant_run_stops_at_the_first_failure_that_points_at_the_mistake(stag
     assert ran(unmatched) == ran(whole) and failures(unmatched) == every_failure
 
 
+def test_the_stop_matches_the_message_the_verdict_reads() -> None:
+    """pytest shortens a long message for the junit report the verdict is judged on: a pattern that only the
+    dropped lines match must not stop the run (it did, and two stage 7 mutants read as unpointed)."""
+    from types import SimpleNamespace
+
+    from instructor.stop_on_match import junit_message
+
+    long = "x" * 450 + "\nthe gradient is off\nrank 0: the parameter w after the first step is 1.0"
+    report = SimpleNamespace(longrepr=SimpleNamespace(reprcrash=SimpleNamespace(message=long)))
+    assert junit_message(report).startswith("x" * 450)
+    assert not re.search(r"parameter .* after the first step", junit_message(report), re.I | re.S)
+
+
 def test_runner_reports_survivors_and_stale_entries(stage1_tree: Path) -> None:
     harmless = mutants.Mutant("comment-only", "benchmarking.py", find="import math\n",
                               replace="import math  # a change no test can see\n", mistake="none")
