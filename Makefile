@@ -15,6 +15,8 @@ WHEEL_SKIP ?=
 # `make test` runs the suite's files on this many pytest processes (pytest-xdist; 0: one process, in order). Two
 # halve its time on 2 cores: much of a test is waiting (for ranks, a subprocess, a grade), not computing.
 TEST_JOBS ?= 2
+# …where pytest-xdist is installed (an offline GPU image may lack it: then the suite runs in one process).
+XDIST = $(shell $(PY) -c "import xdist" 2>/dev/null && echo "-n $(TEST_JOBS) --dist loadfile")
 STAMP := $(VENV)/.setup-stamp$(if $(GPU),-gpu)
 HAVE_REFERENCE := $(wildcard reference/__init__.py)
 export PYTHONDONTWRITEBYTECODE := 1
@@ -58,10 +60,10 @@ test: setup lint check-student test-reference ##@instructor everything CI checks
 endif
 
 test-reference: setup ##@instructor the whole suite (graded, kit, notebooks) against the reference
-	$(PY) -m pytest tests --impl reference -n $(TEST_JOBS) --dist loadfile $(if $(STAGE),-m "$$($(PY) -m kit stages --marker-expression $(STAGE))")
+	$(PY) -m pytest tests --impl reference $(XDIST) $(if $(STAGE),-m "$$($(PY) -m kit stages --marker-expression $(STAGE))")
 
 test-kit: setup ##@instructor only the kit's own tests (grader, release, spawn helper)
-	$(PY) -m pytest tests/kit --impl reference -n $(TEST_JOBS) --dist loadfile
+	$(PY) -m pytest tests/kit --impl reference $(XDIST)
 
 test-cluster: setup ##@instructor sbatch the kit's SLURM script on a 2-node SLURM started here (root; apt-get install -y slurm-wlm munge; ~1 min)
 	LLMSYS_TEST_CLUSTER=1 $(PY) -m pytest tests/kit/test_cluster.py --impl reference -p no:cacheprovider -v -s

@@ -41,7 +41,7 @@ CONSTRAINTS = ROOT / "constraints-cpu.txt"
 # A CUDA machine brings its own builds of these: never install, replace or downgrade them there.
 KEPT_ON_GPU = ("torch", "triton", "numpy")
 # Missing on a CUDA machine is not fatal: nvtx falls back to torch.cuda.nvtx; the rest serve lint and notebooks.
-OPTIONAL_ON_GPU = ("nvtx", "nbclient", "nbformat", "ipykernel", "jupytext", "ruff", "jupyterlab")
+OPTIONAL_ON_GPU = ("nvtx", "pytest-xdist", "nbclient", "nbformat", "ipykernel", "jupytext", "ruff", "jupyterlab")
 # What `make lab` alone needs: an offline GPU machine runs the notebooks headless, so the wheelhouse for it leaves
 # these out (JupyterLab and its server add ~25 MiB to a folder that travels within 64 MiB).
 LAB_ONLY = ("jupyterlab",)

@@ -123,22 +123,6 @@ def _dkdv_inner(
 
 
 @triton.jit
-def _load_key_tile(K, V, bh, stride_kb, stride_kn, stride_vb, stride_vn, offs_n, offs_d, Nk, UPCAST: tl.constexpr):
-    """This program's key tile: k and v ``(BLOCK_N, HEAD_DIM)`` of batch·head ``bh`` (int64) at key rows
-    ``offs_n``; rows ≥ Nk load as 0. Upcast to fp32 when ``UPCAST``. Returns (k, v). Both backward designs
-    start here (``triton_backward_fused`` too)."""
-    # BEGIN SOLUTION masked loads of k and v at rows offs_n; upcast when UPCAST (handout 03 §6)
-    key_ok = offs_n < Nk
-    k = tl.load(K + bh * stride_kb + offs_n[:, None] * stride_kn + offs_d[None, :], mask=key_ok[:, None], other=0.0)
-    v = tl.load(V + bh * stride_vb + offs_n[:, None] * stride_vn + offs_d[None, :], mask=key_ok[:, None], other=0.0)
-    if UPCAST:
-        k = k.to(tl.float32)
-        v = v.to(tl.float32)
-    return k, v
-    # END SOLUTION
-
-
-@triton.jit
 def flash_bwd_dkdv_kernel(
     Q, K, V, DO, L, Delta, DK, DV,
     stride_qb, stride_qn, stride_kb, stride_kn, stride_vb, stride_vn, stride_dob, stride_don,
@@ -165,7 +149,11 @@ def flash_bwd_dkdv_kernel(
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     key_ok = offs_n < Nk
-    k, v = _load_key_tile(K, V, bh, stride_kb, stride_kn, stride_vb, stride_vn, offs_n, offs_d, Nk, UPCAST)
+    k = tl.load(K + bh * stride_kb + offs_n[:, None] * stride_kn + offs_d[None, :], mask=key_ok[:, None], other=0.0)
+    v = tl.load(V + bh * stride_vb + offs_n[:, None] * stride_vn + offs_d[None, :], mask=key_ok[:, None], other=0.0)
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     q_base, do_base = Q + bh * stride_qb, DO + bh * stride_dob

@@ -41,7 +41,7 @@ import triton.language as tl
 from kit import triton_interpreted
 
 from .checks import as_3d
-from .triton_backward import LOG2E, _load_key_tile, flash_bwd_preprocess_kernel
+from .triton_backward import LOG2E, flash_bwd_preprocess_kernel
 from .triton_config import configure, dot_precision, upcast_in_kernel
 
 # Query tiles are counted in units of this many rows: enough counters for any BLOCK_M the autotuner may pick.
@@ -151,7 +151,13 @@ def flash_bwd_fused_kernel(
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     key_ok = offs_n < Nk
-    k, v = _load_key_tile(K, V, bh, stride_kb, stride_kn, stride_vb, stride_vn, offs_n, offs_d, Nk, UPCAST)
+    # The same loads as flash_bwd_dkdv_kernel's, written out again on purpose: a private helper imported from
+    # triton_backward would not exist in the open-level release, which keeps each file's public names only.
+    k = tl.load(K + bh * stride_kb + offs_n[:, None] * stride_kn + offs_d[None, :], mask=key_ok[:, None], other=0.0)
+    v = tl.load(V + bh * stride_vb + offs_n[:, None] * stride_vn + offs_d[None, :], mask=key_ok[:, None], other=0.0)
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     q_base, do_base = Q + bh * stride_qb, DO + bh * stride_dob

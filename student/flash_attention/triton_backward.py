@@ -86,16 +86,6 @@ def _dkdv_inner(
 
 
 @triton.jit
-def _load_key_tile(K, V, bh, stride_kb, stride_kn, stride_vb, stride_vn, offs_n, offs_d, Nk, UPCAST: tl.constexpr):
-    """This program's key tile: k and v ``(BLOCK_N, HEAD_DIM)`` of batch·head ``bh`` (int64) at key rows
-    ``offs_n``; rows ≥ Nk load as 0. Upcast to fp32 when ``UPCAST``. Returns (k, v). Both backward designs
-    start here (``triton_backward_fused`` too)."""
-    if not triton.knobs.runtime.interpret:  # compiled for a GPU: fail to compile, with this message
-        tl.static_assert(False, "NotImplementedError: _load_key_tile: masked loads of k and v at rows offs_n; upcast when UPCAST (handout 03 §6)")
-    raise NotImplementedError("_load_key_tile: masked loads of k and v at rows offs_n; upcast when UPCAST (handout 03 §6)")
-
-
-@triton.jit
 def flash_bwd_dkdv_kernel(
     Q, K, V, DO, L, Delta, DK, DV,
     stride_qb, stride_qn, stride_kb, stride_kn, stride_vb, stride_vn, stride_dob, stride_don,

@@ -42,7 +42,7 @@ import triton.language as tl
 from kit import triton_interpreted
 
 from .checks import as_3d
-from .triton_backward import LOG2E, _load_key_tile, flash_bwd_preprocess_kernel
+from .triton_backward import LOG2E, flash_bwd_preprocess_kernel
 from .triton_config import configure, dot_precision, upcast_in_kernel
 
 # Query tiles are counted in units of this many rows: enough counters for any BLOCK_M the autotuner may pick.

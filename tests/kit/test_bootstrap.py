@@ -34,7 +34,7 @@ def test_gpu_keeps_numpy_and_treats_nvtx_and_dev_tools_as_optional():
     p = bootstrap.plan(bootstrap.requirements(), gpu=True, version_of=versions(**GPU_IMAGE))
     assert not any(r.startswith(("torch", "triton", "numpy")) for r in p.missing), p.missing
     names = {r.split(">")[0].split("<")[0].split("=")[0] for r in p.missing}
-    assert names == {"nvtx", "nbclient", "nbformat", "ipykernel", "jupytext", "ruff", "jupyterlab"}
+    assert names == {"nvtx", "pytest-xdist", "nbclient", "nbformat", "ipykernel", "jupytext", "ruff", "jupyterlab"}
     assert p.required_missing == []
 
 
