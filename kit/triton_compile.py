@@ -220,7 +220,9 @@ def _run_child(mode: str, payload: Any, workdir: Path, root: Path, timeout: floa
 def compile_jobs() -> int:
     """How many compile children run at once: one per CPU this process may use, at most 4 (each holds the
     compiler, about 0.5 GB). Under ``taskset -c 0`` that is one, and the launches compile one after another."""
-    return max(1, min(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1, 4))
+    from kit.doctor import available_cpus
+
+    return max(1, min(int(available_cpus()), 4))
 
 
 def compile_launches(launches: list[Launch], workdir: Path, root: Path, timeout: float = 900,

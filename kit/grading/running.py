@@ -241,13 +241,9 @@ def grading_jobs() -> int:
     """How many stage groups one submission's grading runs side by side by default: 2 where this process may use
     at least 2 CPUs and 6 GiB are free (each group is a judge, its workers and their ranks: 1–2 GiB), else 1.
     Under ``taskset -c 0``, or on a small Gradescope container, grading stays one process at a time."""
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    try:
-        free_kb = next(int(line.split()[1]) for line in Path("/proc/meminfo").read_text().splitlines()
-                       if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration, ValueError):
-        free_kb = 0
-    return 2 if cpus >= 2 and free_kb >= 6 * 2**20 else 1
+    from kit.doctor import available_cpus, available_memory_gib
+
+    return 2 if available_cpus() >= 2 and (available_memory_gib() or 0.0) >= 6.0 else 1
 
 
 def stage_groups(stages: list[int], jobs: int, root: Path = ROOT) -> list[list[int]]:
