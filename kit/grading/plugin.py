@@ -137,6 +137,15 @@ def pytest_configure(config: pytest.Config) -> None:
         workers.confine_workers(worker_rules(Path(config.rootpath), selected()))
 
 
+def pytest_sessionstart(session: pytest.Session) -> None:
+    # Every option and conftest has set the environment the workers inherit by now. The zygote's start then
+    # overlaps the collection, instead of following it; an xdist controller runs no test and starts none.
+    config = session.config
+    controller = bool(config.getoption("numprocesses", None)) and not hasattr(config, "workerinput")
+    if not config.getoption("collectonly") and not controller:
+        workers.start_zygote()
+
+
 def graded_info(item: pytest.Item) -> dict | None:
     """Points, stage and visibility of a graded test, or None when the test is not graded."""
     points = item.get_closest_marker("points")

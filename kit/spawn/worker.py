@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import faulthandler
 import importlib.abc
+import io
 import os
 import pickle
 import signal
@@ -194,13 +195,14 @@ def serve(channel: Connection) -> None:
         except (EOFError, OSError):
             return
         try:
-            request = pickle.loads(data)
+            stream = io.BytesIO(data)
+            for entry in pickle.load(stream):  # test folders the judge imported from since the zygote started
+                if entry not in sys.path:
+                    sys.path.append(entry)
+            request = pickle.load(stream)
         except Exception as exc:  # noqa: BLE001 — e.g. a check function this worker cannot import
             send({"ok": False, "failure": error_report(exc)})
             continue
-        for entry in request.get("sys_path", ()):  # test folders the judge imported from since the fork
-            if entry not in sys.path:
-                sys.path.append(entry)
         op = request["op"]
         if op == "call":
             send(_run(request["fn"], request["args"], request["kwargs"]))

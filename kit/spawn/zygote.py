@@ -2,7 +2,8 @@
 
 Starting a rank as a fresh interpreter costs an import of torch: 1–2 s per rank on a 2-core machine,
 5 s for 8 ranks, before any test code runs. The zygote pays it once per session. It imports torch,
-``torch.distributed``, numpy, pytest, Triton and the kit, confines itself (:mod:`kit.spawn.confine`; what
+``torch.distributed``, the optimizers (with the ``torch._dynamo`` their first use pulls in), numpy, pytest,
+Triton and the kit, confines itself (:mod:`kit.spawn.confine`; what
 it forks inherits the confinement), and then forks one child per request: 2 ranks in ~0.05 s, 8 in ~0.2 s.
 It never runs a submission's code itself; each child does, after the fork, in :mod:`kit.spawn.worker`.
 
@@ -41,6 +42,12 @@ __tracebackhide__ = True
 PRELOAD = ("numpy", "torch", "torch.distributed", "torch.nn.functional", "torch.utils._python_dispatch",
            "torch.testing", "pytest", "triton", "triton.language", "kit", "kit.checks", "kit.testing",
            "kit.comm_log", "kit.model", "kit.validate", "kit.spawn.worker")
+# Imported as well by a zygote whose ranks may train. A process's first optimizer imports torch._dynamo
+# (torch.optim wraps its constructors to keep dynamo out of them): 2.4 s of CPU per rank on a 2-core machine,
+# more than the rest of a DDP test's rank (3.1 s → 0.55 s measured). The zygote pays it once (1.4 s more to
+# start). A zygote started inside a worker (a benchmark driver the implementation runs, which spawns ranks to
+# time collectives) does without: its ranks build no optimizer, and its start is on the test's clock.
+TRAINING_PRELOAD = ("torch.optim", "torch._dynamo")
 START_TIMEOUT_S = 120.0  # importing torch on a loaded machine
 MAX_MESSAGE = 1 << 16
 
@@ -107,7 +114,7 @@ def main(argv: list[str]) -> None:
     _die_with_parent()
     parent = os.getppid()
     sys.path[:] = config["sys_path"]
-    for name in PRELOAD:
+    for name in config.get("preload", PRELOAD):
         try:
             importlib.import_module(name)
         except Exception:  # noqa: BLE001 — an optional package (triton) may be missing or broken
@@ -175,7 +182,8 @@ class Child:
 class Zygote:
     """The judge's handle on one zygote process (see the module docstring)."""
 
-    def __init__(self, scratch: Path, rules: Rules | None, env: dict[str, str]):
+    def __init__(self, scratch: Path, rules: Rules | None, env: dict[str, str],
+                 preload: tuple[str, ...] = PRELOAD + TRAINING_PRELOAD):
         self.scratch = scratch
         self.exit_codes: dict[int, int] = {}
         self._lock = threading.Lock()
@@ -183,18 +191,31 @@ class Zygote:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
         self.control = ours
         config = {"fd": theirs.fileno(), "sys_path": [p for p in sys.path if p],
-                  "rules": None if rules is None else rules.__dict__}
+                  "rules": None if rules is None else rules.__dict__, "preload": list(preload)}
         self.process = subprocess.Popen([sys.executable, "-c", "import sys; from kit.spawn.zygote import main; "
                                          "main(sys.argv[1:])", json.dumps(config)],
                                         pass_fds=[theirs.fileno()], env=env, cwd=os.getcwd(),
                                         stdin=subprocess.DEVNULL)
         theirs.close()
-        hello = self._receive(lambda m: "ready" in m, START_TIMEOUT_S, "to start")
-        self.confinement = str(hello.get("confinement", "unknown"))
+        self._hello: dict | None = None  # the zygote's first message, once it has imported everything
 
-    def _receive(self, wanted, timeout: float, doing: str) -> dict:
+    def wait_ready(self) -> None:
+        """Wait until the zygote has imported everything and is serving (the constructor does not wait: the
+        imports may overlap the judge's own work); ``ZygoteError`` if it dies or takes ``START_TIMEOUT_S``."""
+        if self._hello is None:
+            self._receive(lambda m: False, START_TIMEOUT_S, "to start", until=lambda: self._hello is not None)
+
+    @property
+    def confinement(self) -> str:
+        """In words, how the zygote (and so every child) is confined."""
+        self.wait_ready()
+        return str(self._hello.get("confinement", "unknown"))
+
+    def _receive(self, wanted, timeout: float, doing: str, until=lambda: False) -> dict | None:
         deadline = time.monotonic() + timeout
         while True:
+            if until():
+                return None
             left = deadline - time.monotonic()
             if left <= 0 or self.process.poll() is not None:
                 code = self.process.poll()
@@ -213,6 +234,9 @@ class Zygote:
         except ValueError:
             return None
         if not isinstance(message, dict):
+            return None
+        if "ready" in message and self._hello is None:
+            self._hello = message
             return None
         pid, code = message.get("exited"), message.get("code")
         if isinstance(pid, int) and isinstance(code, int):
@@ -235,6 +259,7 @@ class Zygote:
     def fork(self, env: dict[str, str], cwd: Path, name: str) -> Child:
         """A new child with ``env`` added to the zygote's environment, running in ``cwd``."""
         with self._lock:
+            self.wait_ready()
             self._next += 1
             request_id = self._next
             ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
