@@ -24,6 +24,7 @@ import importlib
 import json
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 os.environ["TRITON_INTERPRET"] = "0"  # before triton is imported: kernels defined from here on compile
@@ -74,6 +75,17 @@ def _error(e: Exception) -> dict:
             "inputs": {}}
 
 
+def _ptxas_log(kernel, output: str) -> str:
+    """The ptxas ``-v`` log of ``kernel``'s build. A binary from Triton's disk cache (``TRITON_CACHE_DIR``) was
+    not built now and printed nothing, so the log of its build is kept beside it (``kit-ptxas/HASH.log``)."""
+    kept = Path(os.environ.get("TRITON_CACHE_DIR", ".")) / "kit-ptxas" / f"{kernel.hash}.log"
+    if "ptxas info" in output:
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        kept.write_text(output)
+        return output
+    return kept.read_text() if kept.exists() else output
+
+
 def compile_one(launch: dict, seen: dict[str, dict]) -> dict:
     """Compile one launch. ``seen`` keeps each binary's report by hash: a launch that specialises like an
     earlier one gets the earlier binary from Triton's in-memory cache, and ptxas does not run again."""
@@ -87,7 +99,7 @@ def compile_one(launch: dict, seen: dict[str, dict]) -> dict:
     except Exception as e:
         return _error(e)
     if compiled:
-        seen[kernel.hash] = _report(kernel, compiled[0]["inputs"], compiled[0]["output"])
+        seen[kernel.hash] = _report(kernel, compiled[0]["inputs"], _ptxas_log(kernel, compiled[0]["output"]))
     return seen[kernel.hash]
 
 
@@ -110,7 +122,7 @@ def run_target(target: str, compile: bool) -> list[dict]:
         fn()
     if not compile:
         return [c["inputs"] for c in compiled]
-    return [_report(c["kernel"], c["inputs"], c["output"]) for c in compiled]
+    return [_report(c["kernel"], c["inputs"], _ptxas_log(c["kernel"], c["output"])) for c in compiled]
 
 
 def main(argv: list[str]) -> int:

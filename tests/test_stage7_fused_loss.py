@@ -150,8 +150,8 @@ def _compiled_kernels() -> list[dict]:
 
     launches = triton_compile.record_launches(forward_and_backward)
     root = Path(__file__).resolve().parent.parent
-    reports = triton_compile.compile_launches(launches, Path(tempfile.mkdtemp(prefix="sm90-")), root) \
-        if launches else []
+    reports = triton_compile.compile_launches(launches, Path(tempfile.mkdtemp(prefix="sm90-")), root,
+                                              cache=triton_compile.user_cache_dir()) if launches else []
     return [{"launch": _launch_data(r.launch), "error": r.error, "shared": r.shared, "ptxas": r.ptxas,
              "ttir": r.ttir} for r in reports]
 

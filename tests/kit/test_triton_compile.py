@@ -134,7 +134,8 @@ def test_the_check_compiles_what_a_launch_compiles(tmp_path):
         launches.append(triton_compile.with_config(la, {"UPCAST": False, "DOT_PRECISION": "tf32", "BLOCK_M": m,
                                                         "BLOCK_N": bn, "num_warps": w, "num_stages": s}))
     # Three children side by side, whatever this machine's CPUs: each report must land with its own launch.
-    ours = triton_compile.compile_launches(launches, tmp_path / "ours", ROOT, jobs=3)
+    cache = tmp_path / "cache"
+    ours = triton_compile.compile_launches(launches, tmp_path / "ours", ROOT, jobs=3, cache=cache)
     real = [triton_compile.CompileReport(launches[0], **r) for r in triton_compile.compile_launched(
         "tests.support.launch_cases:launch_configs", tmp_path / "real", ROOT)]
     rows = []
@@ -149,3 +150,16 @@ def test_the_check_compiles_what_a_launch_compiles(tmp_path):
         rows.append(f"{kind} D={d} causal={is_causal} {config}: kit {got}, launch {want}")
         assert mine.inputs == match[0].inputs and got == want, "\n".join(rows)
     print("\n".join(rows))
+
+    # Again from the same cache (as the graded checks compile, user_cache_dir): nothing is built again (no file
+    # of the cache is rewritten) and every report is the same, ptxas's lines included: a binary from the cache
+    # printed nothing, so the kit keeps its build's log beside it.
+    def files() -> dict[Path, int]:
+        return {p: p.stat().st_mtime_ns for p in cache.rglob("*") if p.is_file()}
+
+    built = files()
+    again = triton_compile.compile_launches(launches, tmp_path / "again", ROOT, jobs=3, cache=cache)
+    assert files() == built, "compiled again from the same cache, some binaries were built again"
+    assert [(r.error, r.shared, r.ptxas, r.ttir, r.inputs) for r in again] == \
+        [(r.error, r.shared, r.ptxas, r.ttir, r.inputs) for r in ours]
+    assert all("ptxas info" in r.ptxas for r in again)
