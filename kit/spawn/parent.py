@@ -109,11 +109,12 @@ def confinement() -> str:
     return _zygote().confinement
 
 
-def start_zygote() -> None:
-    """Start this process's zygote and return at once: its imports (3 s of one CPU) then overlap whatever the
-    caller does meanwhile (pytest collecting a stage's test files: 4 s of the other CPU). The first fork waits
-    until it is ready; if it failed to start, that fork raises its error, where a test reports it."""
-    _zygote()
+def start_zygote(trusted: bool = False) -> None:
+    """Start this process's zygote (``trusted``: the reference ranks' one) and return at once: its imports
+    (3 s of one CPU) then overlap whatever the caller does meanwhile (pytest collecting a stage's test files:
+    4 s of the other CPU). The first fork waits until it is ready; if it failed to start, that fork raises its
+    error, where a test reports it."""
+    _zygote(trusted)
 
 
 def mark_unavailable(modules: dict[str, str]) -> None:
