@@ -38,12 +38,15 @@ import argparse
 import datetime as dt
 import importlib.util
 import json
+import queue
 import re
 import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -185,16 +188,58 @@ def changed_stages(root: Path = ROOT) -> list[int]:
     return [numbers[dt.date.today().toordinal() % len(numbers)]]
 
 
+def judge_all(stage: int, work: list[Mutant | Path], trees: queue.Queue[Path], timeout: float,
+              budget: float | None, started: float) -> tuple[list[Verdict], list[str]]:
+    """Judge ``work`` (mutants and designs) with one run per tree of ``trees`` at a time: the verdicts in the
+    order of ``work``, and the names left over once ``budget`` seconds have passed since ``started``."""
+    from tqdm import tqdm
+
+    judged: dict[int, Verdict] = {}
+    left_over: list[str] = []
+    lock = threading.Lock()
+    bar = tqdm(total=len(work), desc=f"stage {stage} mutants and designs", unit="item")
+
+    def one(index: int, item: Mutant | Path) -> None:
+        with lock:
+            late = budget is not None and bool(judged) and time.monotonic() - started > budget
+        if late:
+            with lock:
+                left_over.append(item.name if isinstance(item, Mutant) else f"design:{item.name}")
+        else:
+            tree = trees.get()  # a tree no other run is using
+            try:
+                verdict = (judge(stage, item, tree, timeout) if isinstance(item, Mutant) else
+                           alternative_designs.judge_design(stage, item, tree, timeout))
+            finally:
+                trees.put(tree)
+            with lock:
+                judged[index] = verdict
+        bar.update()
+
+    with ThreadPoolExecutor(max_workers=max(1, trees.qsize())) as pool:
+        for done in [pool.submit(one, i, item) for i, item in enumerate(work)]:
+            done.result()
+    bar.close()
+    return [judged[i] for i in sorted(judged)], left_over  # in the order of work, whichever finished first
+
+
 def run(stages: list[int], *, only: list[str] | None = None, timeout: float = 900.0, baseline: bool = True,
         designs: bool = True, mutants_too: bool = True, out: Path = OUTPUT,
-        budget: float | None = None) -> list[Verdict]:
+        budget: float | None = None, jobs: int | None = None) -> list[Verdict]:
     """Judge every catalogued mutant and design of ``stages``; print a table per stage, write ``out/stage<N>.*``.
+
+    ``jobs`` mutants are judged at once (default: as many as the grader would grade stage groups at once,
+    :func:`kit.grading.running.grading_jobs`: 2 on 2 idle CPUs with 6 GiB free), each in a grading tree of
+    its own. A run is mostly start-up — a Python process importing torch, a zygote, collection — and waits
+    on its ranks, so one keeps about one CPU busy. The limits count CPU time, not the clock, so a verdict
+    does not depend on the other run (``make mutants`` checks it: every design must still pass).
 
     With ``budget`` (seconds), no new mutant or design starts once that much time has passed (each stage
     judges at least one). The list is rotated by today's date first, so that successive CI runs, each within
     its time limit, cover all of it. Those left over are named in the report, not counted as caught."""
-    from tqdm import tqdm
+    from kit.grading.running import grading_jobs
 
+    jobs = max(1, jobs or grading_jobs())
 
     verdicts: list[Verdict] = []
     out.mkdir(parents=True, exist_ok=True)
@@ -206,25 +251,21 @@ def run(stages: list[int], *, only: list[str] | None = None, timeout: float = 90
         if not mutants and not alternatives:
             print(f"stage {stage}: no catalogued mutants or designs" + (f" named {only}" if only else ""))
             continue
+        work: list[Mutant | Path] = [*mutants, *alternatives]
+        if budget is not None and work:
+            shift = dt.date.today().toordinal() % len(work)
+            work = work[shift:] + work[:shift]
         with tempfile.TemporaryDirectory(prefix=f"kit-mutants-{stage}-") as tmp:
-            tree = build_tree(Path(tmp))
-            (tree / "student").rename(tree / "student.pristine")
-            shutil.copytree(tree / "student.pristine", tree / "student")
-            if baseline and (why := baseline_passes(tree, stage, timeout)):
-                raise RuntimeError(f"stage {stage}: the unmutated reference fails its own public tests in the "
-                                   f"mutant tree, so no verdict would mean anything: {why}")
-            work: list[Mutant | Path] = [*mutants, *alternatives]
-            if budget is not None and work:
-                shift = dt.date.today().toordinal() % len(work)
-                work = work[shift:] + work[:shift]
-            stage_verdicts, left_over = [], []
-            for item in tqdm(work, desc=f"stage {stage} mutants and designs", unit="item"):
-                if budget is not None and stage_verdicts and time.monotonic() - started > budget:
-                    left_over.append(item.name if isinstance(item, Mutant) else f"design:{item.name}")
-                elif isinstance(item, Mutant):
-                    stage_verdicts.append(judge(stage, item, tree, timeout))
-                else:
-                    stage_verdicts.append(alternative_designs.judge_design(stage, item, tree, timeout))
+            trees: queue.Queue[Path] = queue.Queue()
+            for i in range(min(jobs, len(work))):
+                tree = build_tree(Path(tmp) / str(i))
+                (tree / "student").rename(tree / "student.pristine")
+                shutil.copytree(tree / "student.pristine", tree / "student")
+                if i == 0 and baseline and (why := baseline_passes(tree, stage, timeout)):
+                    raise RuntimeError(f"stage {stage}: the unmutated reference fails its own public tests in the "
+                                       f"mutant tree, so no verdict would mean anything: {why}")
+                trees.put(tree)
+            stage_verdicts, left_over = judge_all(stage, work, trees, timeout, budget, started)
         verdicts += stage_verdicts
         report = format_report(stage, stage_verdicts)
         if left_over:
@@ -259,6 +300,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-designs", action="store_true", help="only the mutants")
     parser.add_argument("--budget", type=float, default=None,
                         help="seconds: start no new mutant after this long (the order rotates daily); for CI")
+    parser.add_argument("--jobs", type=int, default=None,
+                        help="mutants judged at once, each in its own tree (default: 2 on 2 idle CPUs, else 1)")
     args = parser.parse_args(argv)
     if args.stage == "auto":
         chosen = changed_stages()
@@ -269,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(str(exc))
     verdicts = run(chosen, only=args.only.split(",") if args.only else None, timeout=args.timeout,
                    baseline=not args.no_baseline, designs=not args.no_designs, mutants_too=not args.designs_only,
-                   budget=args.budget)
+                   budget=args.budget, jobs=args.jobs)
     bad = [v for v in verdicts if not v.accounted]
     missing = ", ".join(f"stage {v.stage} {v.name} ({v.verdict})" for v in bad)
     print(f"\n{len(verdicts) - len(bad)}/{len(verdicts)} catalogued mistakes caught and designs passed"

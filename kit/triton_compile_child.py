@@ -81,7 +81,9 @@ def _ptxas_log(kernel, output: str) -> str:
     kept = Path(os.environ.get("TRITON_CACHE_DIR", ".")) / "kit-ptxas" / f"{kernel.hash}.log"
     if "ptxas info" in output:
         kept.parent.mkdir(parents=True, exist_ok=True)
-        kept.write_text(output)
+        partial = kept.with_suffix(f".{os.getpid()}.tmp")  # runs side by side may build the same binary
+        partial.write_text(output)
+        os.replace(partial, kept)
         return output
     return kept.read_text() if kept.exists() else output
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 import ast
 import re
 import shutil
+import threading
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -189,7 +191,7 @@ def test_budget_starts_no_new_mutant_after_it_and_names_the_rest(monkeypatch, tm
     monkeypatch.setattr(mutants, "judge", fake_judge)
     monkeypatch.setattr(mutants, "build_tree", fake_tree)
     catalogue = mutants.load_catalogue(1)
-    verdicts = mutants.run([1], budget=0.5, baseline=False, designs=False, out=tmp_path)
+    verdicts = mutants.run([1], budget=0.5, baseline=False, designs=False, out=tmp_path, jobs=1)
     assert 1 <= len(verdicts) <= 4, [v.name for v in verdicts]  # 0.2 s each: the fourth would start after 0.6 s
     report = (tmp_path / "stage1.md").read_text()
     left = re.search(r"Not run within the 0.5 s budget \((\d+);.*\): (.*)", report)
@@ -198,3 +200,29 @@ def test_budget_starts_no_new_mutant_after_it_and_names_the_rest(monkeypatch, tm
     named = set(left.group(2).split(", ")) | {v.name for v in verdicts}
     assert named == {m.name for m in catalogue}, "every catalogued mutant is either judged or named as left over"
     assert mutants.run([1], budget=0.0, baseline=False, designs=False, out=tmp_path), "each stage judges one"
+
+
+def test_mutants_are_judged_side_by_side_each_in_a_tree_of_its_own(tmp_path, monkeypatch):
+    busy: set[Path] = set()
+    at_once: list[int] = []
+    lock = threading.Lock()
+
+    def fake_judge(stage, mutant, tree, timeout):
+        with lock:
+            assert tree not in busy, f"two runs at once in {tree}"
+            busy.add(tree)
+            at_once.append(len(busy))
+        time.sleep(0.05)
+        with lock:
+            busy.discard(tree)
+        return mutants.Verdict(stage, mutant.name, mutant.mistake, "killed")
+
+    def fake_tree(dest: Path) -> Path:
+        shutil.copytree(REFERENCE, dest / "tree" / "student")
+        return dest / "tree"
+
+    monkeypatch.setattr(mutants, "judge", fake_judge)
+    monkeypatch.setattr(mutants, "build_tree", fake_tree)
+    verdicts = mutants.run([1], baseline=False, designs=False, out=tmp_path, jobs=2)
+    assert [v.name for v in verdicts] == [m.name for m in mutants.load_catalogue(1)], "the catalogue's order"
+    assert max(at_once) == 2, "two mutants are judged at once"
