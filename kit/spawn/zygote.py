@@ -3,9 +3,10 @@
 Starting a rank as a fresh interpreter costs an import of torch: 1–2 s per rank on a 2-core machine,
 5 s for 8 ranks, before any test code runs. The zygote pays it once per session. It imports torch,
 ``torch.distributed``, the optimizers (with the ``torch._dynamo`` their first use pulls in), numpy, pytest,
-Triton and the kit, confines itself (:mod:`kit.spawn.confine`; what
-it forks inherits the confinement), and then forks one child per request: 2 ranks in ~0.05 s, 8 in ~0.2 s.
-It never runs a submission's code itself; each child does, after the fork, in :mod:`kit.spawn.worker`.
+Triton and the kit, confines itself (:mod:`kit.spawn.confine`; what it forks inherits the confinement),
+and then forks one child per request: 2 ranks in ~0.05 s, 8 in ~0.2 s. It never runs a submission's code
+itself; each child does, after the fork, in :mod:`kit.spawn.worker`. The judge starts it without waiting
+(:meth:`Zygote.wait_ready`, at the first fork), so its imports overlap the judge's collection.
 
 Protocol, over a Unix datagram socket pair with the process that started it (the judge):
 
