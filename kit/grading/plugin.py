@@ -162,11 +162,6 @@ def graded_info(item: pytest.Item) -> dict | None:
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    from kit.checks import reference_ranks
-
-    if any(getattr(getattr(item, "module", None), "reference_ranks", None) is reference_ranks
-           for item in session.items) and not session.config.getoption("collectonly"):
-        workers.start_zygote(trusted=True)  # a test will compute its expected values on reference ranks
     tests = [info for item in session.items if (info := graded_info(item)) is not None]
     _write({"event": "collected", "tests": tests, "time": __import__("time").time(),
             "confinement": workers.confinement() if _State.log is not None else ""})

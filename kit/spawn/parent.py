@@ -109,12 +109,13 @@ def confinement() -> str:
     return _zygote().confinement
 
 
-def start_zygote(trusted: bool = False) -> None:
-    """Start this process's zygote (``trusted``: the reference ranks' one) and return at once: its imports
-    (3 s of one CPU) then overlap whatever the caller does meanwhile (pytest collecting a stage's test files:
-    4 s of the other CPU). The first fork waits until it is ready; if it failed to start, that fork raises its
-    error, where a test reports it."""
-    _zygote(trusted)
+def start_zygote() -> None:
+    """Start this process's zygote and return at once: its imports (3 s of one CPU) then overlap whatever the
+    caller does meanwhile (pytest collecting a stage's test files: 3 s of the other CPU). The first fork waits
+    until it is ready; if it failed to start, that fork raises its error, where a test reports it. (The
+    reference ranks' zygote still starts when a test first needs it: started early, it only competed for
+    the same two CPUs, and it cost 3 CPU-seconds to every run whose tests never got that far, as the stubs'.)"""
+    _zygote()
 
 
 def mark_unavailable(modules: dict[str, str]) -> None:
