@@ -175,21 +175,22 @@ def test_runner_reports_survivors_and_stale_entries(stage1_tree: Path) -> None:
     assert verdict.verdict == "stale" and "update the catalogue" in verdict.message
 
 
+def _reference_tree(dest: Path) -> Path:
+    """A stand-in for ``build_tree`` where the judging is stubbed: the reference staged as the student package."""
+    shutil.copytree(REFERENCE, dest / "tree" / "student")
+    return dest / "tree"
+
+
 def test_budget_starts_no_new_mutant_after_it_and_names_the_rest(monkeypatch, tmp_path: Path) -> None:
     """CI's ``--budget``: at least one item per stage is judged, none starts after the budget, and the report
     names those left over (the runner's own logic: the judging is stubbed, each 'mutant' taking 0.2 s)."""
-    import time
 
     def fake_judge(stage, mutant, tree, timeout):
         time.sleep(0.2)
         return mutants.Verdict(stage, mutant.name, mutant.mistake, "killed")
 
-    def fake_tree(dest: Path) -> Path:
-        shutil.copytree(REFERENCE, dest / "tree" / "student")
-        return dest / "tree"
-
     monkeypatch.setattr(mutants, "judge", fake_judge)
-    monkeypatch.setattr(mutants, "build_tree", fake_tree)
+    monkeypatch.setattr(mutants, "build_tree", _reference_tree)
     catalogue = mutants.load_catalogue(1)
     verdicts = mutants.run([1], budget=0.5, baseline=False, designs=False, out=tmp_path, jobs=1)
     assert 1 <= len(verdicts) <= 4, [v.name for v in verdicts]  # 0.2 s each: the fourth would start after 0.6 s
@@ -217,12 +218,8 @@ def test_mutants_are_judged_side_by_side_each_in_a_tree_of_its_own(tmp_path, mon
             busy.discard(tree)
         return mutants.Verdict(stage, mutant.name, mutant.mistake, "killed")
 
-    def fake_tree(dest: Path) -> Path:
-        shutil.copytree(REFERENCE, dest / "tree" / "student")
-        return dest / "tree"
-
     monkeypatch.setattr(mutants, "judge", fake_judge)
-    monkeypatch.setattr(mutants, "build_tree", fake_tree)
+    monkeypatch.setattr(mutants, "build_tree", _reference_tree)
     verdicts = mutants.run([1], baseline=False, designs=False, out=tmp_path, jobs=2)
     assert [v.name for v in verdicts] == [m.name for m in mutants.load_catalogue(1)], "the catalogue's order"
     assert max(at_once) == 2, "two mutants are judged at once"
