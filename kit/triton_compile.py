@@ -171,7 +171,8 @@ def record_launches(fn: Callable[[], Any], execute: bool = True) -> list[Launch]
 
 def user_cache_dir() -> Path:
     """Where the graded compile checks keep Triton's compile cache between runs:
-    ``$XDG_CACHE_HOME/llm-systems-lab/triton-sm90`` (``~/.cache/...`` by default).
+    ``$XDG_CACHE_HOME/llmsys-lab/triton-sm90`` (``~/.cache/...`` by default: the kit's cache folder, where
+    the FlashAttention tuning cache lives too).
 
     A student runs Stage 3's tests dozens of times, mostly with kernels that did not change since the last
     run, and compiling them is most of the stage's time (25 s of 45 on 2 cores). Triton's cache key is a hash
@@ -180,7 +181,7 @@ def user_cache_dir() -> Path:
     compiled afresh and an unchanged one comes back as the binary it was. The grader gives each run a home of
     its own, so a submission never sees another's cache. Delete the folder to empty it."""
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "llm-systems-lab" / "triton-sm90"
+    return Path(base) / "llmsys-lab" / "triton-sm90"
 
 
 def _child_command(mode: str, payload: Any, workdir: Path, root: Path, tag: str,
