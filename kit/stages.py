@@ -12,6 +12,7 @@ error at import.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -124,3 +125,19 @@ def parse_stage_list(text: str | None, stages: tuple[Stage, ...] = STAGES) -> li
 def marker_expression(chosen: list[int] | None = None, stages: tuple[Stage, ...] = STAGES) -> str:
     """The pytest ``-m`` expression selecting these stages' tests (all stages when ``chosen`` is None)."""
     return " or ".join(get(n, stages).marker for n in (chosen or numbers(stages)))
+
+
+_STAGE_LIST = r"stage\d+(?:\s+or\s+stage\d+)*"
+_SELECTION = re.compile(rf"(?:\((?P<grouped>{_STAGE_LIST})\)|(?P<bare>{_STAGE_LIST}))(?:\s+and\s+(?P<rest>[^()]*))?")
+
+
+def selected_by(expression: str | None) -> list[int] | None:
+    """The stage numbers whose tests a pytest ``-m`` expression can select, where it names them: ``"stage4"``,
+    ``"stage1 or stage3"``, ``"(stage1 or stage3) and not hidden"`` (the grader's), ``"stage4 and …"``. None
+    when it may select a test of any stage or none (empty, ``not stageN``, an ``or`` after ``and``, other
+    parentheses). Only the stages' own test files can hold their tests (the suite's check), so a run may
+    collect just those files."""
+    found = _SELECTION.fullmatch((expression or "").strip())
+    if found is None or re.search(r"\bor\b", found.group("rest") or ""):
+        return None
+    return sorted({int(n) for n in re.findall(r"\d+", found.group("grouped") or found.group("bare"))})

@@ -27,6 +27,33 @@ def test_registry_parses_stage_lists_and_marker_expressions():
         assert all(p.exists() for p in s.chapter_paths()), f"stage {s.number}'s chapters {s.chapters}"
 
 
+@pytest.mark.parametrize("expression, chosen", [
+    ("stage4", [4]), (" stage1 or stage3 ", [1, 3]), ("stage4 and not slow", [4]),
+    ("(stage1 or stage2) and not hidden", [1, 2]), ("(stage3)", [3]), ("stage2 or stage1 and not hidden", [1, 2]),
+    ("", None), (None, None), ("not stage4", None), ("stage4 or gpu", None), ("stage4 and gpu or stage1", None),
+    ("stage4 and (gpu or hidden)", None), ("(stage1 or stage2) or gpu", None), ("hidden", None),
+])
+def test_a_marker_expression_names_the_stages_it_can_select(expression, chosen):
+    # Where it names them, a run collects those stages' files only (the grader's runs among them).
+    assert stages.selected_by(expression) == chosen
+
+
+def _collected(expression: str) -> list[str]:
+    proc = subprocess.run([sys.executable, "-m", "pytest", "tests", "--collect-only", "-q", "-p", "no:cacheprovider",
+                           "--impl", "reference", "-m", expression], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return sorted(line for line in proc.stdout.splitlines() if "::" in line)
+
+
+def test_collecting_only_the_named_stages_files_selects_the_same_tests():
+    # The grader's expression, collected from its stages' files only, against the same selection written so
+    # that selected_by cannot read it (parentheses after `and`): pytest then imports every file.
+    graded = "(stage1 or stage3) and not hidden"
+    narrow, everything = _collected(graded), _collected(f"{graded} and (stage1 or stage3)")
+    assert narrow == everything and len(narrow) > 20, (len(narrow), len(everything))
+
+
 def test_a_toy_stage_7_is_picked_up_by_grade_check_handout_and_release(tmp_path: Path):
     kit, n = toy_kit.make(tmp_path / "kit", full=True), toy_kit.FIRST
 
