@@ -19,14 +19,19 @@ from __future__ import annotations
 import os
 import random
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
-import torch
 
 import kit  # noqa: F401 — sets TRITON_INTERPRET before anything imports triton
 from kit import impl as impl_module
 from kit import stages as registry
-from kit.checks import Worker
+
+# torch is imported where it is first needed, not here: the worker zygote starts when the session does
+# (kit.grading.plugin) and imports torch itself, so this process's own import of torch (1.5–2 s of one CPU),
+# now in the collection of the first test file, runs beside it on the other CPU instead of before it.
+if TYPE_CHECKING:
+    from kit.checks import Worker
 
 TESTS = Path(__file__).resolve().parent
 
@@ -46,12 +51,20 @@ def pytest_configure(config: pytest.Config) -> None:
     choice = impl_module.selected(config.getoption("--impl"))
     # Workers, spawned ranks and notebook kernels inherit the environment, so they load the same package.
     os.environ[impl_module.ENV_VAR] = choice
+
+
+@pytest.hookimpl(trylast=True)  # after the plugin's, which starts the zygote
+def pytest_sessionstart(session: pytest.Session) -> None:
+    import torch
+
     # The judge's own computations (the expected values) use one thread, as every rank does: a reference
     # trained here runs the same kernels as one trained in a rank, so "bit for bit" means what it says.
     torch.set_num_threads(1)
 
 
 def pytest_report_header(config: pytest.Config) -> str:
+    import torch
+
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU only"
     return f"llm-systems-lab: grading impl={impl_module.selected()} · torch {torch.__version__} · {device}"
 
@@ -81,6 +94,8 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    import torch
+
     problems = []
     owners: dict[Path, int | None] = {}
     for item in items:
@@ -149,11 +164,15 @@ def _composed_tests_last(items: list[pytest.Item]) -> None:
 def worker() -> Worker:
     """The session's worker: ``worker.call(check, *args)`` runs a module-level ``check`` there (it loads the
     implementation with ``kit.impl.load()``) and returns its data (see :mod:`kit.checks`)."""
+    from kit.checks import Worker
+
     return Worker()
 
 
 @pytest.fixture(autouse=True)
 def _deterministic() -> None:
+    import torch
+
     # Same seeds for every test: grading one submission twice gives the same score.
     torch.manual_seed(0)
     random.seed(0)
