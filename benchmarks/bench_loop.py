@@ -115,6 +115,11 @@ def measure(row: str, impl: str) -> dict:
             "exit": code}
 
 
+def _met(seconds: float, goal: float) -> str:
+    over = seconds - goal
+    return "yes" if over <= 0 else f"no (+{over:.0f} s)" if over >= 10 else f"no (+{over:.1f} s)"
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     p = bench.parser(__doc__)
     p.add_argument("--rows", nargs="+", default=None,
@@ -125,12 +130,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for row in bench.progress(rows_to_run(args.rows, args.smoke), "commands", unit="command"):
         result = measure(row, args.impl)
         goal = result["goal_s"]
-        result["met"] = "" if goal is None else ("yes" if result["seconds"] <= goal else
-                                                 f"no (+{result['seconds'] - goal:.0f} s)")
-        if result.get("public_s") is not None:
-            result["public_met"] = "yes" if result["public_s"] <= goal else f"no (+{result['public_s'] - goal:.0f} s)"
-        else:
-            result["public_s"] = result["public_met"] = None
+        result["met"] = "" if goal is None else _met(result["seconds"], goal)
+        public = result.setdefault("public_s", None)
+        result["public_met"] = None if public is None else _met(public, goal)
         rows.append(result)
     bench.save("loop", rows, args, title="The feedback loop: wall seconds per command (start-up included)",
                columns=["row", "command", "impl", "seconds", "goal_s", "met", "public_s", "public_met", "exit"])
