@@ -90,7 +90,7 @@ def measure(row: str, impl: str) -> dict:
     if row.startswith("spawn"):
         world = int(row[5:])
         return {"row": row, "command": f"run_on_ranks(nothing, {world})", "impl": "-",
-                "seconds": _spawn_seconds(world), "goal_s": None, "exit": 0}
+                "seconds": _spawn_seconds(world), "public_s": None, "goal_s": None, "exit": 0}
     public = None
     if row.startswith("stage"):
         marker = row.removesuffix("-again")
@@ -131,8 +131,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         result = measure(row, args.impl)
         goal = result["goal_s"]
         result["met"] = "" if goal is None else _met(result["seconds"], goal)
-        public = result.setdefault("public_s", None)
-        result["public_met"] = None if public is None else _met(public, goal)
+        result["public_met"] = None if result["public_s"] is None else _met(result["public_s"], goal)
         rows.append(result)
     bench.save("loop", rows, args, title="The feedback loop: wall seconds per command (start-up included)",
                columns=["row", "command", "impl", "seconds", "goal_s", "met", "public_s", "public_met", "exit"])
