@@ -17,11 +17,14 @@ subreaper). Polling the parent is deliberate: ``PR_SET_PDEATHSIG`` fires when th
 exits, and the grader forks from worker threads. The command itself gets ``PR_SET_PDEATHSIG`` towards the
 single-threaded watchdog, so killing the watchdog kills the command too.
 
-When the command exits, the watchdog sweeps the run the same way before it exits itself, and with
-``--leftovers-file PATH`` writes how many processes it killed there. Doing this in the watchdog, not the
-grader, is what attributes an orphan to the right submission: while the watchdog lives, the run's orphans
-(even ones that cleared their environment) are its children, whereas the grader, grading several
-submissions from threads, could not tell whose orphan it adopted.
+Where the kernel allows (root, or a delegated cgroup v2 subtree: :mod:`kit.spawn.contain`), the command runs in
+a **cgroup of its own**, and everything it starts stays in it whatever it does (double forks, ``setsid``, an
+empty environment, a main thread that exited while another runs, which ``/proc`` shows as a zombie). When the
+command exits, or the grader dies, the watchdog kills the whole cgroup with ``cgroup.kill``, then sweeps the run
+as above for anything outside it, and with ``--leftovers-file PATH`` writes how many processes it killed there.
+Doing this in the watchdog, not the grader, is what attributes an orphan to the right submission: while the
+watchdog lives, the run's orphans (even ones that cleared their environment) are its children, whereas the
+grader, grading several submissions from threads, could not tell whose orphan it adopted.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from collections.abc import Iterator
 from kit import cuda_present
 
 MARKER_ENV = "KIT_GRADING_ID"
+KEY_FD_ENV = "KIT_GRADING_KEY_FD"  # the descriptor the grading log's key is read from (never the key itself)
 POLL_S = 0.2
 PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 1, 36
 
@@ -59,6 +63,17 @@ def prctl(option: int, value: int) -> None:
             ctypes.CDLL("libc.so.6", use_errno=True).prctl(option, value)
         except OSError:
             pass
+
+
+def alive(pid: int, state: str) -> bool:
+    """Whether a process is running: not a zombie, or a zombie only in its main thread (a leader that left with the
+    raw ``exit`` syscall while another thread runs shows ``Z`` and is alive)."""
+    if state != "Z":
+        return True
+    try:
+        return len(os.listdir(f"/proc/{pid}/task")) > 1
+    except OSError:
+        return False
 
 
 def processes() -> Iterator[tuple[int, int, int, str, list[bytes]]]:
@@ -99,7 +114,7 @@ def _kill_the_run(marker: bytes | None) -> int:
     for _ in range(20):  # orphans re-parent to the watchdog as their parents die: sweep until none is left
         found = 0
         for pid, ppid, pgrp, state, environ in processes():
-            if pid != me and state != "Z" and (pgrp == group or ppid == me or (marker and marker in environ)):
+            if pid != me and alive(pid, state) and (pgrp == group or ppid == me or (marker and marker in environ)):
                 try:
                     os.kill(pid, signal.SIGKILL)
                     found += 1
@@ -117,27 +132,43 @@ def watch(command: list[str], grader_pid: int, memory_gb: float | None, file_gb:
           leftovers_file: str | None = None) -> int:
     """Run ``command`` in a child; return its exit code, or kill the run if the grader dies first.
     When the command exits, kill what it left running and write the count to ``leftovers_file``."""
+    from kit.spawn.contain import Cgroup
+
     prctl(PR_SET_CHILD_SUBREAPER, 1)
     watchdog = os.getpid()
+    grading_id = os.environ.get(MARKER_ENV)
+    group, _ = Cgroup.create(f"kit-run-{grading_id or watchdog}")
     child = os.fork()
     if child == 0:
         prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
         if os.getppid() != watchdog:  # the watchdog died before prctl took effect
             os._exit(137)
+        if group is not None and not group.add(os.getpid()):
+            os._exit(126)  # a run that was to be contained never runs uncontained
         apply_limits(memory_gb, file_gb)
         os.execvp(command[0], command)
-    grading_id = os.environ.get(MARKER_ENV)
+    key_fd = os.environ.get(KEY_FD_ENV)  # the grading log's key reached the command; the watchdog keeps no copy
+    if key_fd and key_fd.isdigit():
+        try:
+            os.close(int(key_fd))
+        except OSError:
+            pass
     marker = f"{MARKER_ENV}={grading_id}".encode() if grading_id else None
+
+    def kill_everything() -> int:
+        killed = group.kill() if group is not None else 0
+        return killed + _kill_the_run(marker)
+
     while True:
         exited = _reap_children()
         if child in exited:
-            killed = _kill_the_run(marker)
+            killed = kill_everything()
             if leftovers_file:
                 with open(leftovers_file, "w") as f:
                     f.write(str(killed))
             return exited[child]
         if os.getppid() != grader_pid:
-            _kill_the_run(marker)
+            kill_everything()
             return 137
         time.sleep(POLL_S)
 

@@ -95,6 +95,7 @@ class RunRecord:
     flags: list[str] = field(default_factory=list)
     activity: Activity | None = None
     finished: bool = False  # of the current attempt
+    leftovers: int = 0  # processes the workers left running, killed by the judge (all attempts)
 
     def apply(self, event: dict) -> None:
         kind = event["event"]
@@ -117,6 +118,8 @@ class RunRecord:
         elif kind == "finished":
             self.finished = True
             self.activity = None
+            leftovers = event.get("leftovers", 0)
+            self.leftovers += leftovers if isinstance(leftovers, int) and not isinstance(leftovers, bool) else 0
 
     def unreported(self) -> list[str]:
         """Collected tests that have not finished (no teardown report), in collection order."""

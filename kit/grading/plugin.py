@@ -26,10 +26,13 @@ if this process dies halfway:
 * ``{"event": "report", "nodeid", "when", "outcome", "longrepr", "duration", "cpu"}`` — each phase's result
   (``cpu``: seconds of CPU its workers used);
 * ``{"event": "flag", "nodeid", "what"}`` — something a submission did that grading does not allow;
-* ``{"event": "finished"}`` — the session ended normally.
+* ``{"event": "finished", "leftovers"}`` — the session ended normally; its workers had left ``leftovers``
+  processes running (daemons), now killed.
 
-Every event carries a sequence number and an HMAC under a key the grader passes in ``KIT_GRADING_KEY``,
-removed from the environment at once, so a line a worker appends to the log is detected and ignored.
+Every event carries a sequence number and an HMAC under a key the grader passes through a pipe (its descriptor's
+number in ``KIT_GRADING_KEY_FD``; the key itself is in no process's environment, where ``/proc/PID/environ``
+would show it), read and closed before any worker starts, so a line a worker appends to the log is detected
+and ignored.
 """
 
 from __future__ import annotations
@@ -46,10 +49,10 @@ import pytest
 from kit import stages as registry
 from kit.grading import timings
 from kit.grading.events import signer
+from kit.sandbox import KEY_FD_ENV
 from kit.spawn import parent as workers
 from kit.spawn.confine import Rules, keep_out_of_reach
 
-KEY_ENV = "KIT_GRADING_KEY"
 IMPLEMENTATIONS = ("student", "reference")
 
 
@@ -115,9 +118,24 @@ def _write(event: dict) -> None:
     _State.log.flush()
 
 
+def _read_key() -> str:
+    """The grading log's key, from the pipe the grader handed over (then closed); "" outside a grading run."""
+    fd = os.environ.pop(KEY_FD_ENV, "")
+    if not fd.isdigit():
+        return ""
+    chunks = []
+    try:
+        while chunk := os.read(int(fd), 4096):
+            chunks.append(chunk)
+        os.close(int(fd))
+    except OSError:
+        return ""
+    return b"".join(chunks).decode()
+
+
 def pytest_configure(config: pytest.Config) -> None:
     path = config.getoption("--grading-log")
-    key = os.environ.pop(KEY_ENV, "")  # gone before any worker is started
+    key = _read_key()  # before any worker is started
     _State.sign = staticmethod(signer(key.encode()))
     cap = config.getoption("--per-test-timeout") or 0.0
     _State.limits = timings.Limits(timings.load(Path(config.rootpath)), cap=cap or float("inf"),
@@ -174,7 +192,11 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    _write({"event": "finished", "exitstatus": int(exitstatus), "time": __import__("time").time()})
+    # Stop the workers here, not at exit, so the log says how many processes they left running (killed with the
+    # zygotes' cgroups): the grade reports them.
+    leftovers = workers.shutdown() if _State.log is not None else 0
+    _write({"event": "finished", "exitstatus": int(exitstatus), "time": __import__("time").time(),
+            "leftovers": leftovers})
 
 
 @pytest.hookimpl(wrapper=True)

@@ -21,7 +21,7 @@ import signal
 import subprocess
 import threading
 
-from kit.sandbox import MARKER_ENV, PR_SET_CHILD_SUBREAPER, prctl, processes
+from kit.sandbox import MARKER_ENV, PR_SET_CHILD_SUBREAPER, alive, prctl, processes
 
 INTERRUPTED = threading.Event()
 _signal_received: list[int] = []
@@ -38,13 +38,14 @@ def become_subreaper() -> None:
     prctl(PR_SET_CHILD_SUBREAPER, 1)
 
 
-def start(cmd: list[str], *, cwd, env: dict, output, grading_id: str) -> subprocess.Popen:
+def start(cmd: list[str], *, cwd, env: dict, output, grading_id: str, pass_fds: tuple[int, ...] = ()
+          ) -> subprocess.Popen:
     """Start a run's sandbox in a new session and remember it, so that an interruption can kill it."""
     with _lock:
         if INTERRUPTED.is_set():
             raise InterruptedError("grading was interrupted")
         proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=output, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
+                                stdin=subprocess.DEVNULL, start_new_session=True, pass_fds=pass_fds)
         _active[proc.pid] = grading_id
     return proc
 
@@ -75,7 +76,7 @@ def kill_leftovers(grading_id: str) -> int:
             continue
         with _lock:
             orphan = ppid == me and pid not in _active
-        if state != "Z" and (orphan or marker in environ):
+        if alive(pid, state) and (orphan or marker in environ):
             try:
                 os.kill(pid, signal.SIGKILL)
                 killed += 1

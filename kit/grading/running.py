@@ -32,6 +32,7 @@ from kit import stages as registry
 from kit.grading import processes, scoring, timings
 from kit.grading.events import Activity, RunRecord, SignedLog
 from kit.grading.staging import ROOT, stage_submission
+from kit.sandbox import KEY_FD_ENV
 
 SECRET_HINTS = ("TOKEN", "SECRET", "PASSWORD", "PASSWD", "CREDENTIAL", "API_KEY", "PRIVATE_KEY", "AWS_", "GITHUB_")
 ALLOWED_ENV = {"PATH", "LANG", "LC_ALL", "LC_CTYPE", "TERM", "TZ", "USER", "LOGNAME", "SHELL", "VIRTUAL_ENV",
@@ -64,17 +65,27 @@ class Limits:
     file_gb: float | None = 2.0
 
 
-def child_env(impl: str, home: Path, grading_id: str, key: str) -> dict[str, str]:
-    """Only what the tests need: no tokens, credentials or the grader's own settings reach student code."""
+def child_env(impl: str, home: Path, grading_id: str) -> dict[str, str]:
+    """Only what the tests need: no tokens, credentials or the grader's own settings reach student code. The
+    grading log's key is not here either: it travels through a pipe (:func:`key_pipe`), since a process's initial
+    environment stays readable in ``/proc/PID/environ`` after it removes a variable."""
     env = {
         k: v for k, v in os.environ.items()
         if (k in ALLOWED_ENV or k.startswith(ALLOWED_PREFIXES)) and not any(h in k.upper() for h in SECRET_HINTS)
     }
     env.update(
         LLMSYS_IMPL=impl, PYTHONHASHSEED="0", PYTHONDONTWRITEBYTECODE="1", PYTHONUNBUFFERED="1",
-        HOME=str(home), TMPDIR=str(home), MPLBACKEND="Agg", KIT_GRADING_ID=grading_id, KIT_GRADING_KEY=key,
+        HOME=str(home), TMPDIR=str(home), MPLBACKEND="Agg", KIT_GRADING_ID=grading_id,
     )
     return env
+
+
+def key_pipe(key: str) -> int:
+    """The read end of a pipe that holds ``key`` (and then its end): the judge reads it once and closes it."""
+    read, write = os.pipe()
+    os.write(write, key.encode())
+    os.close(write)
+    return read
 
 
 def tail(path: Path) -> str:
@@ -104,7 +115,7 @@ class SuiteRun:
         """Run attempts until done; return the tail of the children's output."""
         home, out = tmp / "home", tmp / "output.txt"
         home.mkdir()
-        env = child_env(self.impl, home, self.grading_id, self.key)
+        env = child_env(self.impl, home, self.grading_id)
         targets = ["tests"]
         for attempt in range(MAX_RESUMES + 1):
             outcome, code = self._attempt(tmp, attempt, targets, env, out)
@@ -131,12 +142,17 @@ class SuiteRun:
         failed_imports.write_text(json.dumps(self.record.import_failures))
         reader = SignedLog(log, self.key)
         self.record.finished = False
+        judged_before = self.record.leftovers
         with open(out, "ab") as output:
+            key = key_pipe(self.key)
             try:
-                proc = processes.start(self._command(log, failed_imports, leftovers, targets), cwd=self.tree, env=env,
-                                       output=output, grading_id=self.grading_id)
+                proc = processes.start(self._command(log, failed_imports, leftovers, targets), cwd=self.tree,
+                                       env={**env, KEY_FD_ENV: str(key)}, output=output, grading_id=self.grading_id,
+                                       pass_fds=(key,))
             except InterruptedError:
                 return "interrupted", None
+            finally:
+                os.close(key)
             try:
                 outcome = self._watch(proc, reader)
             finally:
@@ -146,10 +162,11 @@ class SuiteRun:
         killed = processes.kill_leftovers(self.grading_id)
         if leftovers.exists():
             killed += int(leftovers.read_text() or 0)
-        if killed:
-            self.notes.append(f"killed {killed} process(es) the submission left running")
         for event in reader.read_new():
             self.record.apply(event)
+        killed += self.record.leftovers - judged_before  # what the judge killed with its zygotes' cgroups
+        if killed:
+            self.notes.append(f"killed {killed} process(es) the submission left running")
         if reader.forged:
             self.record.flags.append(f"{reader.forged} forged or altered line(s) in the grading log were ignored")
         return outcome, proc.returncode

@@ -144,7 +144,7 @@ def _zygote(trusted: bool = False) -> Zygote:
         if zygote is None or not zygote.alive():
             scratch = _scratch(trusted)
             (scratch / "home").mkdir(exist_ok=True)
-            env = {k: v for k, v in os.environ.items() if k != "KIT_GRADING_KEY"}
+            env = dict(os.environ)
             env.update(TMPDIR=str(scratch), PYTHONDONTWRITEBYTECODE="1")
             if trusted:
                 env["KIT_NO_IMPLEMENTATION"] = "1"
@@ -157,22 +157,29 @@ def _zygote(trusted: bool = False) -> Zygote:
             from .worker import in_worker
 
             preload = PRELOAD if in_worker() else PRELOAD + TRAINING_PRELOAD
-            zygote = _workers.zygotes[trusted] = Zygote(scratch, None if trusted else rules, env, preload)
+            zygote = _workers.zygotes[trusted] = Zygote(scratch, None if trusted else rules, env, preload,
+                                                        contain=_workers.rules is not None)
         return zygote
 
 
-def shutdown() -> None:
-    """Stop the persistent worker and the zygotes (a later request starts new ones)."""
+def shutdown() -> int:
+    """Stop the persistent worker and the zygotes (a later request starts new ones). Returns how many processes the
+    workers had left running (daemons, found in the zygotes' cgroups where there are some), now killed."""
+    leftovers = 0
     with _workers.lock:
+        # The persistent worker and what it runs (a zygote of its own, when an implementation spawns ranks) are
+        # the kit's; anything else in a zygote's cgroup was left running by a worker.
+        expected = set(TreeWatch([_workers.worker.pid]).pids()) if _workers.worker is not None else set()
+        for zygote in _workers.zygotes.values():
+            leftovers += zygote.close(expected)
         if _workers.worker is not None:
             _kill([_workers.worker])
             _workers.worker = None
-        for zygote in _workers.zygotes.values():
-            zygote.close()
         _workers.zygotes.clear()
         for folder in _workers.scratch.values():
             shutil.rmtree(folder, ignore_errors=True)
         _workers.scratch.clear()
+    return leftovers
 
 
 atexit.register(shutdown)
@@ -218,6 +225,7 @@ def _kill(children: list[Child]) -> None:
             child.conn.close()
         except OSError:
             pass
+        child.close_files()
         if child.is_live_child():
             for pid in TreeWatch([child.pid]).pids():
                 try:
@@ -253,26 +261,22 @@ class Outcome:
 
 
 def _forward(child: Child) -> None:
-    """What a worker wrote to stdout and stderr reaches ours (pytest captures it per test) as it grows, once."""
-    for path, fd in ((child.stdout, 1), (child.stderr, 2)):
-        try:
-            size = path.stat().st_size
-        except OSError:
-            continue
-        done = child.forwarded.get(path, 0)
-        if size > done:
-            with open(path, "rb") as f:
-                f.seek(done)
-                data = f.read(size - done)
-            child.forwarded[path] = done + len(data)
+    """What a worker wrote to stdout and stderr reaches ours (pytest captures it per test) as it grows, once.
+    Read through the judge's own descriptors of the worker's files, never by path (:mod:`.zygote`)."""
+    for source, fd in ((child.stdout, 1), (child.stderr, 2)):
+        done = child.forwarded.get(source, 0)
+        data = child.read(source, done)
+        if data:
+            child.forwarded[source] = done + len(data)
             os.write(fd, data)
 
 
+STDERR_TAIL_BYTES = 1 << 16  # the end of a dead worker's stderr that its report quotes (gloo's last words)
+
+
 def stderr_tail(child: Child, lines: int = 8) -> list[str]:
-    try:
-        text = child.stderr.read_text(errors="replace")
-    except OSError:
-        return []
+    start = max(0, child.size(child.stderr) - STDERR_TAIL_BYTES)
+    text = child.read(child.stderr, start, STDERR_TAIL_BYTES).decode(errors="replace")
     return [line for line in text.splitlines() if line.strip()][-lines:]
 
 
@@ -285,14 +289,10 @@ def _dump_stacks(children: list[Child], which: list[int]) -> dict[int, str]:
             except OSError:
                 pass
     time.sleep(0.5)
-    stacks = {}
-    for r in which:
-        path = children[r].stacks
-        try:
-            stacks[r] = path.read_text(errors="replace").strip()
-        except OSError:
-            stacks[r] = ""
-    return stacks
+    return {r: children[r].read(children[r].stacks, 0, STACK_BYTES).decode(errors="replace").strip() for r in which}
+
+
+STACK_BYTES = 1 << 20  # a stack dump longer than this is a worker flooding its stack file: the start is enough
 
 
 def _exit_code(child: Child) -> int | None:

@@ -175,13 +175,13 @@ def _leave_process_group() -> None:
         pass
 
 
-def serve(channel: Connection) -> None:
-    """The worker's loop: answer requests until the judge closes the channel (or after one rank)."""
+def serve(channel: Connection, stacks: int) -> None:
+    """The worker's loop: answer requests until the judge closes the channel (or after one rank). ``stacks``: the
+    descriptor of the file the judge reads this worker's Python stacks from when it stops answering."""
     global _channel
     _channel = channel
-    # The judge dumps this worker's stack here when it stops answering (faulthandler; a hang in C shows too).
-    stack_file = open(f"{os.environ.get('KIT_WORKER_STACKS', '/dev/null')}", "w")  # noqa: SIM115
-    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
+    # The judge dumps this worker's stack there when it stops answering (faulthandler; a hang in C shows too).
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     sys.meta_path.insert(0, _unavailable)
     if os.environ.get("KIT_NO_IMPLEMENTATION"):  # a reference rank: the judge's code only
         _unavailable.modules.update({name: f"{name}: reference ranks never load the implementation"

@@ -10,13 +10,19 @@ itself; each child does, after the fork, in :mod:`kit.spawn.worker`. The judge s
 
 Protocol, over a Unix datagram socket pair with the process that started it (the judge):
 
-* judge → zygote: ``{"id", "env", "cwd", "stdout", "stderr"}`` as JSON, with one file descriptor attached
-  (the child's end of a fresh socket pair: the judge talks to the child directly on the other end);
+* judge → zygote: ``{"id", "env", "cwd"}`` as JSON, with four file descriptors attached: the child's end of
+  a fresh socket pair (the judge talks to the child directly on the other end), and the child's stdout, stderr
+  and stack-dump files;
 * zygote → judge: ``{"ready", "confinement"}`` once, then ``{"id", "pid"}`` per fork and
   ``{"exited", "code"}`` when a child is reaped (``code``: exit status, or 128 + signal).
 
 The judge trusts none of it (a child may have tampered with the zygote): pids are checked against
 ``/proc`` before they are signalled, and exit codes only ever go into messages.
+
+**The judge never opens a path a worker controls.** A worker's stdout, stderr and stack dumps go to files the
+judge created itself, unnamed (``O_TMPFILE``: no path exists that a worker could replace by a link), and
+reads through its own descriptors (``pread``). A worker that swaps paths in its scratch folder for links to
+the hidden tests or ``/proc/self/environ`` changes nothing the judge reads.
 """
 
 from __future__ import annotations
@@ -25,10 +31,12 @@ import importlib
 import json
 import os
 import select
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -85,21 +93,22 @@ def _reap(control: socket.socket) -> None:
         _send(control, {"exited": pid, "code": 128 - code if code < 0 else code})
 
 
-def _child(control: socket.socket, request: dict, fd: int) -> None:
-    """In the forked child: become a worker on ``fd``. Never returns."""
+def _child(control: socket.socket, request: dict, fds: list[int]) -> None:
+    """In the forked child: become a worker on ``fds[0]``, writing to ``fds[1:3]``, its stack dumps to ``fds[3]``.
+    Never returns."""
     code = 1
     try:
         control.close()
         _die_with_parent()
-        for name in ("stdout", "stderr"):
-            target = os.open(request[name], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-            os.dup2(target, 1 if name == "stdout" else 2)
-            os.close(target)
+        channel, stdout, stderr, stacks = fds
+        for fd, target in ((stdout, 1), (stderr, 2)):
+            os.dup2(fd, target)
+            os.close(fd)
         os.environ.update(request["env"])
         os.chdir(request["cwd"])
         from .worker import serve
 
-        serve(Connection(fd))
+        serve(Connection(channel), stacks)
         code = 0
     except BaseException:  # noqa: BLE001 — the child reports through its channel; here only the exit code
         import traceback
@@ -114,6 +123,18 @@ def main(argv: list[str]) -> None:
     control = socket.socket(fileno=config["fd"])
     _die_with_parent()
     parent = os.getppid()
+    contained = []
+    # Contained before anything else runs, while this process has one thread (a user namespace needs that): its
+    # own cgroup, which the judge kills as a whole, and its own loopback (kit.spawn.contain).
+    if config.get("cgroup"):
+        from .contain import Cgroup
+
+        if not Cgroup(Path(config["cgroup"])).add(os.getpid()):
+            contained.append("not in its cgroup")
+    if config.get("isolate_network"):
+        from .contain import isolate_network
+
+        contained.append(isolate_network())
     sys.path[:] = config["sys_path"]
     for name in config.get("preload", PRELOAD):
         try:
@@ -126,6 +147,7 @@ def main(argv: list[str]) -> None:
         confinement = confine(Rules(**config["rules"]))
     else:
         confinement = "unconfined: not asked to (only the grader confines its workers)"
+    confinement = "; ".join([confinement, *contained])
     _send(control, {"ready": True, "confinement": confinement, "pid": os.getpid()})
     while True:
         readable, _, _ = select.select([control], [], [], 0.05)
@@ -135,7 +157,7 @@ def main(argv: list[str]) -> None:
         if not readable:
             continue
         try:
-            data, fds, _, _ = socket.recv_fds(control, MAX_MESSAGE, 1)
+            data, fds, _, _ = socket.recv_fds(control, MAX_MESSAGE, 4)
         except OSError:
             os._exit(0)
         if not data:
@@ -143,7 +165,7 @@ def main(argv: list[str]) -> None:
         request = json.loads(data)
         pid = os.fork()
         if pid == 0:
-            _child(control, request, fds[0])
+            _child(control, request, fds)
         for fd in fds:
             os.close(fd)
         _send(control, {"id": request["id"], "pid": pid})
@@ -158,17 +180,57 @@ class ZygoteError(RuntimeError):
     """The zygote could not be started or stopped answering."""
 
 
+def _unnamed_file(folder: Path) -> int:
+    """A new file with no name (``O_TMPFILE``; elsewhere created and unlinked at once), opened for reading and
+    writing: the judge reads it through this descriptor only, so no path can be swapped for a link."""
+    flags = os.O_RDWR | os.O_CLOEXEC
+    if hasattr(os, "O_TMPFILE"):
+        try:
+            return os.open(folder, flags | os.O_TMPFILE, 0o600)
+        except OSError:  # a file system without O_TMPFILE
+            pass
+    fd, path = tempfile.mkstemp(dir=folder)
+    os.unlink(path)
+    return fd
+
+
 @dataclass
 class Child:
-    """A forked worker: its pid and the judge's end of its channel."""
+    """A forked worker: its pid, the judge's end of its channel, and the judge's descriptors of its output files
+    (read with ``pread``, never by path: see the module docstring)."""
 
     pid: int
     conn: Connection
-    stdout: Path
-    stderr: Path
-    stacks: Path  # where its faulthandler writes its Python stack when the judge asks (SIGUSR1)
+    stdout: int
+    stderr: int
+    stacks: int  # where its faulthandler writes its Python stack when the judge asks (SIGUSR1)
     zygote_pid: int
-    forwarded: dict[Path, int] = field(default_factory=dict)  # bytes of stdout/stderr already passed on
+    forwarded: dict[int, int] = field(default_factory=dict)  # bytes of stdout/stderr already passed on
+
+    @staticmethod
+    def size(fd: int) -> int:
+        try:
+            return os.fstat(fd).st_size if fd >= 0 else 0
+        except OSError:
+            return 0
+
+    def read(self, fd: int, start: int = 0, limit: int = 1 << 24) -> bytes:
+        """Up to ``limit`` bytes of one of its files from ``start`` (the judge's own descriptor; any offset the
+        worker moved is left alone)."""
+        size = self.size(fd)
+        try:
+            return os.pread(fd, min(size - start, limit), start) if size > start else b""
+        except OSError:
+            return b""
+
+    def close_files(self) -> None:
+        for fd in (self.stdout, self.stderr, self.stacks):
+            if fd >= 0:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+        self.stdout = self.stderr = self.stacks = -1  # a closed number may be reused by another file
 
     def is_live_child(self) -> bool:
         """Whether this pid is still the zygote's child (checked before the judge signals it: a pid the
@@ -184,15 +246,25 @@ class Zygote:
     """The judge's handle on one zygote process (see the module docstring)."""
 
     def __init__(self, scratch: Path, rules: Rules | None, env: dict[str, str],
-                 preload: tuple[str, ...] = PRELOAD + TRAINING_PRELOAD):
+                 preload: tuple[str, ...] = PRELOAD + TRAINING_PRELOAD, *, contain: bool = False):
+        """``contain``: the zygote and everything it forks get a cgroup of their own, killed as a whole when it is
+        closed, and a network namespace of their own, where the kernel allows (:mod:`kit.spawn.contain`)."""
         self.scratch = scratch
+        # The workers' output files live here, unnamed: a folder of the judge's own, never a worker's scratch.
+        self.files = Path(tempfile.mkdtemp(prefix="kit-judge-files-"))
         self.exit_codes: dict[int, int] = {}
         self._lock = threading.Lock()
         self._next = 0
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
         self.control = ours
+        self.cgroup = None
+        if contain:
+            from .contain import Cgroup
+
+            self.cgroup, _ = Cgroup.create(f"kit-zygote-{os.getpid()}-{id(self):x}")
         config = {"fd": theirs.fileno(), "sys_path": [p for p in sys.path if p],
-                  "rules": None if rules is None else rules.__dict__, "preload": list(preload)}
+                  "rules": None if rules is None else rules.__dict__, "preload": list(preload),
+                  "cgroup": str(self.cgroup.path) if self.cgroup else None, "isolate_network": contain}
         self.process = subprocess.Popen([sys.executable, "-c", "import sys; from kit.spawn.zygote import main; "
                                          "main(sys.argv[1:])", json.dumps(config)],
                                         pass_fds=[theirs.fileno()], env=env, cwd=os.getcwd(),
@@ -264,25 +336,39 @@ class Zygote:
             self._next += 1
             request_id = self._next
             ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-            stdout, stderr, stacks = (self.scratch / f"{name}-{request_id}.{kind}" for kind in ("out", "err", "stack"))
-            env = {**env, "KIT_WORKER_STACKS": str(stacks)}
-            request = {"id": request_id, "env": env, "cwd": str(cwd), "stdout": str(stdout), "stderr": str(stderr)}
+            files = [_unnamed_file(self.files) for _ in range(3)]  # stdout, stderr, stacks
+            request = {"id": request_id, "env": env, "cwd": str(cwd), "name": name}
             try:
-                socket.send_fds(self.control, [json.dumps(request).encode()], [theirs.fileno()])
+                socket.send_fds(self.control, [json.dumps(request).encode()], [theirs.fileno(), *files])
             except OSError as exc:
+                for fd in files:
+                    os.close(fd)
                 raise ZygoteError(f"the worker zygote is gone ({exc})") from exc
             finally:
                 theirs.close()
-            reply = self._receive(lambda m: m.get("id") == request_id, 30.0, "to fork a worker")
+            try:
+                reply = self._receive(lambda m: m.get("id") == request_id, 30.0, "to fork a worker")
+            except ZygoteError:
+                for fd in files:
+                    os.close(fd)
+                raise
         pid = reply.get("pid")
         if not isinstance(pid, int) or pid <= 0:
             raise ZygoteError(f"the worker zygote answered a fork with {reply!r}")
         ours.setblocking(True)
-        return Child(pid, Connection(ours.detach()), stdout, stderr, stacks, self.process.pid)
+        return Child(pid, Connection(ours.detach()), *files, self.process.pid)
 
-    def close(self) -> None:
+    def close(self, expected: set[int] = frozenset()) -> int:
+        """Stop the zygote and everything it started. Returns how many processes were still running besides the
+        zygote and ``expected`` (workers the judge still holds): ones a worker left behind, killed with its cgroup
+        (0 where there is no cgroup: the grader's sweep finds those)."""
+        leftovers = 0
+        if self.cgroup is not None:
+            leftovers = self.cgroup.kill(spare={self.process.pid, *expected})
         if self.process.poll() is None:
             self.process.kill()
-            self.process.wait()
+        self.process.wait()
         self.control.close()
+        shutil.rmtree(self.files, ignore_errors=True)
+        return leftovers
 
