@@ -4,12 +4,18 @@ Each test runs the implementation in the worker (``worker.call``): a module-leve
 with stand-ins that record what it did — a fake clock, a fake ``nvtx`` module, autograd hooks — and
 returns the record as data. The test then judges the record here, against the expected values it
 computes itself.
+
+The judge draws the scripted durations and the warm-up and iteration counts afresh in every session
+(:data:`DRAW`; each message quotes them): a record that does not come from running ``time_fn`` or
+``benchmark_model`` on these very inputs — a constant learnt from an earlier run — does not match.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import math
+import random
 import statistics
 import tempfile
 from pathlib import Path
@@ -24,6 +30,22 @@ from kit.model import TransformerLM, get_config
 from kit.testing import assert_close, assert_raised
 
 pytestmark = pytest.mark.stage1
+
+DRAW = random.SystemRandom()  # the judge's fresh inputs (module docstring): not reproducible by a submission
+
+
+def _durations(n: int) -> list[float]:
+    """``n`` distinct durations in seconds, each a multiple of 1/64 s below 1 s: exact in binary floating point, so
+    the fake clock's sums and differences (100 + k/64) carry no rounding at all, and in no particular order."""
+    return [k / 64 for k in DRAW.sample(range(1, 64), n)]
+
+
+def _number(got, expected: float, *, rel: float, what: str, section: str) -> None:
+    """``got`` is a plain float within ``rel`` of ``expected``; the type is checked before the value."""
+    assert type(got) in (float, int) and math.isfinite(got), (
+        f"{what} is {got!r} ({type(got).__name__}); expected a finite float close to {expected!r}. See {section}.")
+    assert abs(got - expected) <= rel * abs(expected), (
+        f"{what} = {got!r}, expected {expected!r} (relative tolerance {rel:g}). See {section}.")
 
 
 class FakeClock:
@@ -147,15 +169,15 @@ def _attention_ranges_and_ops(q, k, v) -> dict:
     return {"ranges": ranges, "ops": log.ops}
 
 
-def _train_step_ranges() -> dict:
+def _train_step_ranges(warmup: int, iters: int) -> dict:
     fake = RecordingNvtx()
     with _nvtx_replaced(fake):
         result = _benchmarking().benchmark_model("tiny", context_length=16, batch_size=2, mode="train_step",
-                                                 warmup=1, iters=2, device="cpu")
+                                                 warmup=warmup, iters=iters, device="cpu")
     return {"ranges": fake.ranges, "samples": len(result["timing"].samples)}
 
 
-def _benchmark_model_mode(mode: str) -> dict:
+def _benchmark_model_mode(mode: str, warmup: int, iters: int) -> dict:
     """What benchmark_model did to a tiny model of ours: gradients computed, tensors saved, weights changed."""
     torch.manual_seed(0)
     model = TransformerLM(get_config("tiny"))
@@ -165,8 +187,8 @@ def _benchmark_model_mode(mode: str) -> dict:
         p.register_hook(lambda g, name=name: grads_computed.__setitem__(name, grads_computed[name] + 1))
     saved = []  # every tensor autograd saves for backward: none when the forward runs under no_grad
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape)) or t, lambda t: t):
-        result = _benchmarking().benchmark_model("tiny", context_length=16, batch_size=2, mode=mode, warmup=1,
-                                                 iters=2, device="cpu", model=model)
+        result = _benchmarking().benchmark_model("tiny", context_length=16, batch_size=2, mode=mode, warmup=warmup,
+                                                 iters=iters, device="cpu", model=model)
     return {"stats": _stats(result["timing"]), "tokens_per_s": result["tokens_per_s"],
             "grads_computed": grads_computed, "saved": saved[:3], "n_saved": len(saved),
             "changed": any(not torch.equal(b, p) for b, p in zip(before, model.parameters())),
@@ -207,27 +229,35 @@ def _profile_linear() -> dict:
 @pytest.mark.points(2)
 def test_time_fn_warmup_calls_are_not_timed(worker):
     """Warm-up calls run before the first clock read and their time is not in any sample."""
-    got = worker.call(_time_fn_with_fake_clock, [0.5, 0.25, 0.75], 2, 3)
+    warmup, iters = DRAW.randint(2, 4), DRAW.randint(3, 5)
+    durations = _durations(iters)
+    got = worker.call(_time_fn_with_fake_clock, durations, warmup, iters)
     events, samples = got["events"], got["stats"]["samples"]
-    assert events.count("fn") == 5, (
-        f"fn was called {events.count('fn')} times for warmup=2, iters=3; expected 5. See handout 01 §1."
+    assert isinstance(events, list) and isinstance(samples, list), f"events {events!r}, samples {samples!r}"
+    assert events.count("fn") == warmup + iters, (
+        f"fn was called {events.count('fn')} times for warmup={warmup}, iters={iters}; expected {warmup + iters}. "
+        "See handout 01 §1."
     )
-    first_clock = events.index("clock")
-    assert events[:first_clock].count("fn") == 2, (
-        "the 2 warm-up calls must run before the clock starts (handout 01 §1)"
+    first_clock = events.index("clock") if "clock" in events else len(events)
+    assert events[:first_clock].count("fn") == warmup, (
+        f"the {warmup} warm-up calls must run before the clock starts (handout 01 §1)"
     )
-    assert sorted(samples) == [0.25, 0.5, 0.75], (
-        f"samples {samples} include warm-up time or miss timed calls; expected the 3 timed durations "
-        "0.5, 0.25, 0.75 s. See handout 01 §1."
+    # Exact: every duration is a multiple of 1/64 s and the clock reads 100 + a sum of them (_durations).
+    assert sorted(samples) == sorted(durations), (
+        f"samples {samples} include warm-up time or miss timed calls; expected the {iters} timed durations "
+        f"{durations} s. See handout 01 §1."
     )
 
 
 @pytest.mark.points(2)
 def test_time_fn_synchronizes_around_every_timed_call(worker):
     """sync() runs before the clock starts and after each timed call returns, before the clock stops."""
-    events = worker.call(_time_fn_with_fake_clock, [0.1] * 4, 1, 4)["events"]
-    timed = [i for i, e in enumerate(events) if e == "fn"][1:]
-    assert len(timed) == 4, f"expected 4 timed calls, saw {len(timed)} (handout 01 §1)"
+    warmup, iters = DRAW.randint(1, 3), DRAW.randint(3, 5)
+    events = worker.call(_time_fn_with_fake_clock, _durations(iters), warmup, iters)["events"]
+    assert isinstance(events, list), f"events {events!r}"
+    timed = [i for i, e in enumerate(events) if e == "fn"][warmup:]
+    assert len(timed) == iters, (f"expected {iters} timed calls after {warmup} warm-up calls, saw {len(timed)} "
+                                 "(handout 01 §1)")
     for n, i in enumerate(timed):
         before = [e for e in events[:i] if e != "fn"]
         after = events[i + 1:]
@@ -244,10 +274,16 @@ def test_time_fn_synchronizes_around_every_timed_call(worker):
 @pytest.mark.points(2)
 def test_time_fn_statistics(worker):
     """mean, std (sample, n−1), median and min in seconds, computed from the samples."""
-    # Skewed and unsorted on purpose, so no two statistics coincide: mean 0.038 ≠ median 0.03, and the
-    # minimum is neither the first nor the last sample.
-    durations = [0.030, 0.010, 0.020, 0.090, 0.040]
+    # Drawn afresh, unsorted, and redrawn until no two statistics coincide and the minimum is neither the first nor
+    # the last sample: a formula that computes the wrong statistic cannot land on the right one by chance.
+    while True:
+        durations = _durations(5)
+        values = (statistics.fmean(durations), statistics.stdev(durations), statistics.median(durations),
+                  min(durations))
+        if len(set(values)) == 4 and min(durations) not in (durations[0], durations[-1]):
+            break
     stats = worker.call(_time_fn_with_fake_clock, durations, 0, 5)["stats"]
+    assert isinstance(stats, dict), f"time_fn's statistics arrived as {stats!r}"
     expected = {
         "mean": statistics.fmean(durations),
         "std": statistics.stdev(durations),
@@ -257,13 +293,11 @@ def test_time_fn_statistics(worker):
     hints = {"mean": "the average time per call", "std": "the sample standard deviation (n−1)",
              "median": "the middle sample", "min": "the fastest call"}
     for name, value in expected.items():
-        got = stats[name]
-        # The fake clock's differences (100.03 − 100.0 …) carry float rounding of ~1e-14 s relative to the
-        # sample; rel 1e-9 allows that and nothing a wrong formula could produce.
-        assert got == pytest.approx(value, rel=1e-9), (
-            f"TimingStats.{name} = {got!r}, expected {value!r} for samples {durations} (rel tol 1e-9): "
-            f"{name} is {hints[name]}. See handout 01 §1."
-        )
+        # The samples are exact (multiples of 1/64 s); the statistics' own arithmetic (a sum, a division, a square
+        # root) carries a few roundings of 2⁻⁵³ ≈ 1e-16 relative: rel 1e-9 allows any order of summation and
+        # nothing a wrong formula could produce (the four values differ by far more).
+        _number(stats.get(name), value, rel=1e-9, what=f"TimingStats.{name} for samples {durations} ({hints[name]})",
+                section="handout 01 §1")
 
 
 @pytest.mark.points(1)
@@ -331,16 +365,18 @@ def test_annotated_attention_nvtx_ranges(worker):
 
 @pytest.mark.points(2)
 def test_benchmark_model_nvtx_ranges_split_the_train_step(worker):
-    got = worker.call(_train_step_ranges)
+    warmup, iters = DRAW.randint(1, 2), DRAW.randint(2, 3)
+    got = worker.call(_train_step_ranges, warmup, iters)
     names = [name for name, _ in got["ranges"]]
     for phase in ("forward", "backward", "optimizer_step"):
-        assert names.count(phase) == 3, (
-            f"range {phase!r} opened {names.count(phase)} times over 1 warm-up + 2 timed train steps; expected 3. "
-            f"Ranges seen: {sorted(set(names))}. See handout 01 §2."
+        assert names.count(phase) == warmup + iters, (
+            f"range {phase!r} opened {names.count(phase)} times over {warmup} warm-up + {iters} timed train steps; "
+            f"expected {warmup + iters}. Ranges seen: {sorted(set(names))}. See handout 01 §2."
         )
     order = [n for n in names if n in ("forward", "backward", "optimizer_step")][:3]
     assert order == ["forward", "backward", "optimizer_step"], f"phase order {order} (handout 01 §2)"
-    assert got["samples"] == 2, f"benchmark_model(iters=2) gave {got['samples']} timing samples (handout 01 §2)"
+    assert got["samples"] == iters, (f"benchmark_model(iters={iters}) gave {got['samples']} timing samples "
+                                     "(handout 01 §2)")
 
 
 @pytest.mark.points(2)
@@ -348,21 +384,24 @@ def test_benchmark_model_nvtx_ranges_split_the_train_step(worker):
 def test_benchmark_model_modes(worker, mode):
     """Each mode runs what it says: forward builds no autograd graph; forward_backward computes every
     gradient once per step; train_step changes the weights."""
-    got = worker.call(_benchmark_model_mode, mode)
+    warmup, iters = DRAW.randint(1, 2), DRAW.randint(2, 3)
+    got = worker.call(_benchmark_model_mode, mode, warmup, iters)
     stats = got["stats"]
-    assert len(stats["samples"]) == 2 and all(s > 0 for s in stats["samples"]), f"timing samples {stats['samples']}"
+    samples = stats["samples"]
+    assert len(samples) == iters and all(type(s) is float and s > 0 for s in samples), (
+        f"benchmark_model(iters={iters}) gave timing samples {samples}; expected {iters} positive floats (seconds). "
+        "See handout 01 §2.")
     # Exact up to float rounding of one division (rel 1e-12 ≫ 2⁻⁵² ≈ 2e-16).
-    assert got["tokens_per_s"] == pytest.approx(2 * 16 / stats["mean"], rel=1e-12), (
-        f"tokens_per_s = {got['tokens_per_s']!r}, expected batch × context / mean time = 2 × 16 / "
-        f"{stats['mean']!r} = {2 * 16 / stats['mean']!r}. See handout 01 §2.")
-    expected_grads = 0 if mode == "forward" else 3  # 1 warm-up + 2 timed steps
+    _number(got["tokens_per_s"], 2 * 16 / stats["mean"], rel=1e-12,
+            what=f"tokens_per_s (batch × context / mean time = 2 × 16 / {stats['mean']!r})", section="handout 01 §2")
+    expected_grads = 0 if mode == "forward" else warmup + iters
     grads_computed = got["grads_computed"]
     wrong = {name: n for name, n in grads_computed.items() if n != expected_grads}
     hint = "forward must not run backward" if mode == "forward" else "Each step runs loss.backward()"
     assert not wrong, (
-        f"mode {mode!r}: each parameter's gradient should be computed {expected_grads} times over 1 warm-up + 2 "
-        f"timed steps, but {len(wrong)} of {len(grads_computed)} were not, e.g. {dict(list(wrong.items())[:3])} "
-        f"(times computed). {hint}. See handout 01 §2.")
+        f"mode {mode!r}: each parameter's gradient should be computed {expected_grads} times over {warmup} warm-up "
+        f"+ {iters} timed steps, but {len(wrong)} of {len(grads_computed)} were not, e.g. "
+        f"{dict(list(wrong.items())[:3])} (times computed). {hint}. See handout 01 §2.")
     if mode == "forward":
         assert not got["n_saved"], (
             f"forward mode saved {got['n_saved']} tensors for a backward that never runs (first shapes "

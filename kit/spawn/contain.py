@@ -25,6 +25,7 @@ from __future__ import annotations
 import ctypes
 import fcntl
 import os
+import signal
 import socket
 import struct
 import sys
@@ -125,6 +126,13 @@ class Cgroup:
                     break
             except OSError:
                 break
+            # cgroup.kill passes over a process whose main thread has exited while others run (Linux 6.18 does):
+            # signal what is left one by one, which kills the whole thread group.
+            for pid in self.pids():
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
             time.sleep(0.01)
         for child in sorted(self.path.rglob("*"), key=lambda p: -len(p.parts)):
             if child.is_dir():

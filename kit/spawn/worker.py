@@ -33,7 +33,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from . import wire
+from . import checkbook, wire
 
 __tracebackhide__ = True
 
@@ -82,7 +82,8 @@ def report_check(name: str, ok: bool, payload: Any) -> None:
     """While a rank runs several named checks: send one check's outcome now (see the module docstring).
     ``payload`` is the check's value (already normalised) or its failure report."""
     if _channel is not None:
-        send({"check": name, "ok": ok, **({"value": payload} if ok else {"failure": payload})})
+        answer = _untampered({"ok": ok, **({"value": payload} if ok else {"failure": payload})})
+        send({"check": name, **answer})
 
 
 def from_main(module: str | None, path: str | None, qualname: str) -> Any:
@@ -126,10 +127,14 @@ _unavailable = _Unavailable()
 
 
 def _run(fn, args, kwargs) -> dict:
-    """``fn``'s value as data, or its failure; a value that is not data fails, naming the part that is not."""
+    """``fn``'s value as data, or its failure; a value that is not data fails, naming the part that is not. Nothing
+    is taken from a process whose checks were tampered with (:mod:`kit.spawn.checkbook`), before or after."""
+    tampered = _untampered({"ok": True})
+    if tampered["ok"] is not True:
+        return tampered
     try:
-        return {"ok": True, "value": wire.normalise(fn(*args, **kwargs), f"what {getattr(fn, '__name__', fn)} "
-                                                                          "returned")}
+        return _untampered({"ok": True, "value": wire.normalise(fn(*args, **kwargs),
+                                                                f"what {getattr(fn, '__name__', fn)} returned")})
     except (KeyboardInterrupt, SystemExit) as exc:
         return {"ok": False, "failure": error_report(exc)}
     except BaseException as exc:  # noqa: BLE001 — pytest.fail raises a BaseException too
@@ -175,11 +180,35 @@ def _leave_process_group() -> None:
         pass
 
 
-def serve(channel: Connection, stacks: int) -> None:
+class _CheckUnpickler(pickle.Unpickler):
+    """Reads a request, finding each function and class it names in the checkbook (what the kit's and the test
+    modules held before any submission code ran), not in the live modules a submission may have rewritten."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        try:
+            return checkbook.resolve(module, name)
+        except (KeyError, AttributeError):
+            return super().find_class(module, name)
+
+
+def _untampered(answer: dict) -> dict:
+    """``answer``, unless the submission changed the checks or the kit in this process: then a failure saying what."""
+    changed = checkbook.tampering()
+    if changed is None:
+        return answer
+    return {"ok": False, "failure": {
+        "type": "Tampered", "kind": "error", "traceback": "",
+        "message": f"the checks in this worker were tampered with ({changed}): the graded code must not change the "
+                   "kit or the tests, so no value from this worker is taken (README, threat model)"}}
+
+
+def serve(channel: Connection, stacks: int, test_modules: list[str] = ()) -> None:
     """The worker's loop: answer requests until the judge closes the channel (or after one rank). ``stacks``: the
-    descriptor of the file the judge reads this worker's Python stacks from when it stops answering."""
+    descriptor of the file the judge reads this worker's Python stacks from when it stops answering;
+    ``test_modules``: the judge's test modules, imported before the fork, whose checks go in the checkbook."""
     global _channel
     _channel = channel
+    checkbook.write(list(test_modules))  # first: no submission code has run in this process yet
     # The judge dumps this worker's stack there when it stops answering (faulthandler; a hang in C shows too).
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     sys.meta_path.insert(0, _unavailable)
@@ -199,7 +228,7 @@ def serve(channel: Connection, stacks: int) -> None:
             for entry in pickle.load(stream):  # test folders the judge imported from since the zygote started
                 if entry not in sys.path:
                     sys.path.append(entry)
-            request = pickle.load(stream)
+            request = _CheckUnpickler(stream).load()
         except Exception as exc:  # noqa: BLE001 — e.g. a check function this worker cannot import
             send({"ok": False, "failure": error_report(exc)})
             continue

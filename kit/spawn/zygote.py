@@ -108,7 +108,7 @@ def _child(control: socket.socket, request: dict, fds: list[int]) -> None:
         os.chdir(request["cwd"])
         from .worker import serve
 
-        serve(Connection(channel), stacks)
+        serve(Connection(channel), stacks, [m for m in request.get("modules", []) if m in sys.modules])
         code = 0
     except BaseException:  # noqa: BLE001 — the child reports through its channel; here only the exit code
         import traceback
@@ -116,6 +116,24 @@ def _child(control: socket.socket, request: dict, fds: list[int]) -> None:
         traceback.print_exc()
     finally:
         os._exit(code)
+
+
+def _import_test_modules(path: list[str], names: list[str]) -> None:
+    """Import the judge's test modules here, before the fork: the child then resolves checks from what they were
+    before any submission code ran (:mod:`kit.spawn.checkbook`). One this process may not read (a hidden test's
+    judge half) or that fails is skipped: the judge never asks a worker for a check from it."""
+    for entry in path:
+        if entry not in sys.path:
+            sys.path.append(entry)
+    for name in names:
+        if name not in sys.modules and name not in _SKIPPED:
+            try:
+                importlib.import_module(name)
+            except BaseException:  # noqa: BLE001 — a module a worker cannot import is none of its business
+                _SKIPPED.add(name)
+
+
+_SKIPPED: set[str] = set()
 
 
 def main(argv: list[str]) -> None:
@@ -163,6 +181,7 @@ def main(argv: list[str]) -> None:
         if not data:
             os._exit(0)
         request = json.loads(data)
+        _import_test_modules(request.get("path", []), request.get("modules", []))
         pid = os.fork()
         if pid == 0:
             _child(control, request, fds)
@@ -330,14 +349,19 @@ class Zygote:
         return self.process.poll() is None
 
     def fork(self, env: dict[str, str], cwd: Path, name: str) -> Child:
-        """A new child with ``env`` added to the zygote's environment, running in ``cwd``."""
+        """A new child with ``env`` added to the zygote's environment, running in ``cwd``. The test modules the judge
+        has imported from ``cwd/tests`` are imported in the zygote first (:mod:`kit.spawn.checkbook`)."""
+        from .checkbook import test_modules
+
+        modules = test_modules(cwd / "tests")
         with self._lock:
             self.wait_ready()
             self._next += 1
             request_id = self._next
             ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
             files = [_unnamed_file(self.files) for _ in range(3)]  # stdout, stderr, stacks
-            request = {"id": request_id, "env": env, "cwd": str(cwd), "name": name}
+            request = {"id": request_id, "env": env, "cwd": str(cwd), "name": name, "modules": modules,
+                       "path": [p for p in sys.path if p]}
             try:
                 socket.send_fds(self.control, [json.dumps(request).encode()], [theirs.fileno(), *files])
             except OSError as exc:
@@ -347,7 +371,8 @@ class Zygote:
             finally:
                 theirs.close()
             try:
-                reply = self._receive(lambda m: m.get("id") == request_id, 30.0, "to fork a worker")
+                # Importing new test modules first may take a while on a loaded machine, as the zygote's start does.
+                reply = self._receive(lambda m: m.get("id") == request_id, START_TIMEOUT_S, "to fork a worker")
             except ZygoteError:
                 for fd in files:
                     os.close(fd)
