@@ -13,6 +13,11 @@ code under test: the tests hand named checks to worker processes and compare the
 * **limits that tell a hang from a slow machine.** Each test's workers get a CPU budget from the
   reference's recorded CPU time and an idle limit (:mod:`kit.grading.timings`, :mod:`kit.spawn.watch`);
   the wall clock (``--per-test-timeout``) is only the last resort;
+* **the judge's own work metered.** The judge's CPU in one test's setup and call is limited too
+  (``--judge-cpu-limit`` CPU-seconds, :data:`JUDGE_CPU_LIMIT` by default, 0: none): reading and comparing
+  what workers send is bounded by :mod:`kit.spawn.wire`'s limits, and whatever else could make this process
+  spin (an answer too costly to check, a kit bug) fails that one test, saying so, and grading goes on. A
+  ``SIGPROF`` timer (``ITIMER_PROF``) runs while setup and call do, on the main thread, where there is one;
 * **imports first.** Before any test, each graded module is imported once in a worker under
   ``--import-timeout``; one that hangs or fails at import is unavailable from then on, so the tests that use
   it fail at once, naming it and why, and every other test is graded as usual (:mod:`kit.grading.imports`).
@@ -40,9 +45,12 @@ from __future__ import annotations
 import importlib.abc
 import json
 import os
+import signal
 import site
 import sys
+import threading
 from pathlib import Path
+from types import FrameType
 
 import pytest
 
@@ -54,6 +62,12 @@ from kit.spawn import parent as workers
 from kit.spawn.confine import Rules, keep_out_of_reach
 
 IMPLEMENTATIONS = ("student", "reference")
+# CPU-seconds the judge itself may spend on one test's setup and call. Measured with the reference (stages 1-7
+# and the hidden tests, time.process_time() around setup and call): at most 1.23 s, in the first test that
+# needs torch in the judge (its import is 0.9-1.0 s of it), 0.54 s in any other. 12x that leaves room for a
+# slower processor and a heavier import (torch with CUDA on a GPU machine), while an answer too costly to
+# check stops the judge after seconds, not minutes. kit.grading.running.Limits has the same default.
+JUDGE_CPU_LIMIT = 15.0
 
 
 class _State:
@@ -67,6 +81,10 @@ class _State:
     import_timeout = 0.0
     import_failures: dict[str, str] = {}  # module → why it did not import
     cpu_at_phase_start = 0.0
+    judge_cpu_limit = 0.0  # while grading, where a CPU timer can interrupt the main thread; 0: not metered
+    judge_cpu_left = 0.0  # of the current test's
+    judge_cpu_spent = False  # the current test used it all
+    leftovers = 0  # processes the workers had left running when they were stopped before the session's end
 
 
 class JudgeGuard(importlib.abc.MetaPathFinder):
@@ -106,6 +124,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--import-timeout", type=float, default=0.0,
                     help="import each graded stage's modules first, failing the stage past this many seconds")
     group.addoption("--failed-imports", default=None, help="JSON {module: reason}: modules already known not to import")
+    group.addoption("--judge-cpu-limit", type=float, default=JUDGE_CPU_LIMIT,
+                    help="while grading, most CPU-seconds this process may spend on a test's setup and call (0: none)")
 
 
 def _write(event: dict) -> None:
@@ -153,6 +173,10 @@ def pytest_configure(config: pytest.Config) -> None:
         sys.meta_path.insert(0, JudgeGuard())
         keep_out_of_reach()
         workers.confine_workers(worker_rules(Path(config.rootpath), selected()))
+        limit = config.getoption("--judge-cpu-limit") or 0.0
+        if limit > 0 and hasattr(signal, "ITIMER_PROF") and threading.current_thread() is threading.main_thread():
+            _State.judge_cpu_limit = limit
+            signal.signal(signal.SIGPROF, _judge_cpu_spent)
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
@@ -194,9 +218,35 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     # Stop the workers here, not at exit, so the log says how many processes they left running (killed with the
     # zygotes' cgroups): the grade reports them.
-    leftovers = workers.shutdown() if _State.log is not None else 0
+    leftovers = _State.leftovers + (workers.shutdown() if _State.log is not None else 0)
     _write({"event": "finished", "exitstatus": int(exitstatus), "time": __import__("time").time(),
             "leftovers": leftovers})
+
+
+def _judge_cpu_spent(signum: int, frame: FrameType | None) -> None:
+    """The SIGPROF handler: the judge used its CPU allowance for this test; fail the test where it is."""
+    _State.judge_cpu_spent = True
+    where = ""
+    if frame is not None:
+        where = f"; stopped in {frame.f_code.co_name}, {Path(frame.f_code.co_filename).name}:{frame.f_lineno}"
+    raise pytest.fail.Exception(
+        f"the judge spent more than {_State.judge_cpu_limit:g} CPU-seconds of its own on this test "
+        f"(--judge-cpu-limit{where}): a worker's answer that is too costly to check — far more values, or "
+        "values far larger, than the check asks for — or a fault of the kit. The judge only reads and compares "
+        "what workers send, in about a second at most for every test of the reference; return what the check "
+        "asks for, numbers as tensors.", pytrace=False)
+
+
+def _meter_judge_cpu(on: bool) -> None:
+    """Run (``on``) or pause the judge's CPU timer of the current test: setup and call, not pytest's reports
+    in between nor teardown."""
+    if not _State.judge_cpu_limit:
+        return
+    if on:
+        if not _State.judge_cpu_spent:  # a timer of 0 would be no timer: at least a millisecond
+            signal.setitimer(signal.ITIMER_PROF, max(_State.judge_cpu_left, 1e-3))
+    else:
+        _State.judge_cpu_left = signal.setitimer(signal.ITIMER_PROF, 0)[0]
 
 
 @pytest.hookimpl(wrapper=True)
@@ -212,7 +262,21 @@ def pytest_runtest_setup(item: pytest.Item):
     idle = min(_State.idle, float(marker.args[0])) if marker else _State.idle
     workers.set_allowance(workers.Allowance(cpu=budget.cpu, idle=idle, wall=budget.run))
     _State.cpu_at_phase_start = 0.0
-    return (yield)
+    _State.judge_cpu_left, _State.judge_cpu_spent = _State.judge_cpu_limit, False
+    _meter_judge_cpu(True)
+    try:
+        return (yield)
+    finally:
+        _meter_judge_cpu(False)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item):
+    _meter_judge_cpu(True)
+    try:
+        return (yield)
+    finally:
+        _meter_judge_cpu(False)
 
 
 @pytest.hookimpl(wrapper=True)
@@ -221,6 +285,8 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem):
         return (yield)
     finally:
         workers.set_allowance(workers.Allowance(idle=_State.idle))
+        if _State.judge_cpu_spent:  # stopped anywhere, even inside a request: the next test starts fresh workers
+            _State.leftovers += workers.shutdown()
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:

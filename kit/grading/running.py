@@ -50,8 +50,9 @@ class Limits:
 
     A test's workers may use ``max(timing_floor, timing_factor × the reference's CPU time)`` CPU-seconds and
     make no progress for at most ``idle_limit`` seconds (:mod:`kit.grading.timings`); ``per_test_timeout``
-    caps its wall clock, the last resort. The judge enforces these; the grader kills the judge itself only
-    when a test outlives its wall-clock cap by ``grace`` (a fault of the kit, never of a submission).
+    caps its wall clock, the last resort. The judge enforces these, and spends at most ``judge_cpu_limit``
+    CPU-seconds of its own on a test (0: no limit); the grader kills the judge itself only when a test
+    outlives its wall-clock cap by ``grace`` (a fault of the kit, never of a submission).
     """
 
     timeout: float = 1800.0
@@ -61,6 +62,7 @@ class Limits:
     timing_factor: float = timings.FACTOR
     timing_floor: float = timings.FLOOR
     idle_limit: float = timings.IDLE
+    judge_cpu_limit: float = 15.0  # kit.grading.plugin.JUDGE_CPU_LIMIT (the grader does not import pytest)
     memory_gb: float | None = 8.0
     file_gb: float | None = 2.0
 
@@ -131,7 +133,7 @@ class SuiteRun:
                 sys.executable, "-m", "pytest", *targets, "-q", "-p", "kit", "-p", "no:cacheprovider",
                 "-p", "kit.grading.plugin", f"--grading-log={log}", f"--per-test-timeout={lim.per_test_timeout}",
                 f"--timing-factor={lim.timing_factor}", f"--timing-floor={lim.timing_floor}",
-                f"--idle-limit={lim.idle_limit}",
+                f"--idle-limit={lim.idle_limit}", f"--judge-cpu-limit={lim.judge_cpu_limit}",
                 f"--import-timeout={lim.import_timeout}", f"--failed-imports={failed_imports}",
                 f"--impl={self.impl}", *self.selection, "-o", "addopts=", "--tb=short"]
 
