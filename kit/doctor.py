@@ -126,7 +126,21 @@ def grader_floor() -> list[str]:
     if landlock_abi() < 1:
         problems.append("no Landlock in this kernel: workers run unconfined, so a submission could read and write "
                         "what the grader's user can (README, 'What a grade can be trusted for')")
+    problems += [f"{what}: {why.removeprefix('no: ')}" for what, why in containment().items() if why.startswith("no")]
     return problems
+
+
+def containment() -> dict[str, str]:
+    """``{feature: "yes: …" or "no: why"}`` for what the kernel lets the grader do beyond Landlock
+    (:mod:`kit.spawn.contain`): a cgroup per run, a network namespace per zygote."""
+    from kit.spawn.contain import cgroup_support, network_support
+
+    cgroups, network = cgroup_support(), network_support()
+    return {"cgroups": cgroups + ("" if cgroups.startswith("yes") else
+                                  " — a daemon that hides from /proc may outlive its grade"),
+            "network": network + ("" if network.startswith("yes") else
+                                  " — one submission's daemon can connect to another run's gloo ranks on loopback: "
+                                  "grade one submission per container")}
 
 
 def grader_report() -> str:
@@ -139,6 +153,7 @@ def grader_report() -> str:
              f"  memory      {'unknown' if memory is None else f'{memory:.1f} GiB available'} "
              f"(recommended {RECOMMENDED_MEMORY_GIB:g} GiB, floor {FLOOR_MEMORY_GIB:g})",
              f"  Landlock    {'ABI ' + str(landlock_abi()) if landlock_abi() else 'none'} (confines the workers)"]
+    lines += [f"  {what:<11} {why.split(' — ')[0]}" for what, why in containment().items()]
     problems = grader_floor()
     ok = ["  OK          this machine meets the grader's recommendation"]
     lines += [f"  WARNING     {p}" for p in problems] or ok

@@ -168,7 +168,58 @@ def confine(rules: Rules) -> str:
         os.close(ruleset)
     scopes = "signals and ptrace" if abi >= 6 else "ptrace (signals need Landlock ABI 6, Linux 6.12)"
     return (f"landlock ABI {abi}: reads {len(rules.read)} graded paths and the system, writes "
-            f"{len(rules.write)} scratch paths, {scopes} scoped to the workers")
+            f"{len(rules.write)} scratch paths, {scopes} scoped to the workers; {refuse_unix_sockets()}")
+
+
+# seccomp: no new Unix sockets. Landlock does not govern connect() to a named Unix socket, so a worker could reach
+# any socket file the grader's user may write (a container runtime's, another run's). A worker needs none: its
+# channel to the judge is a socket pair made before it was confined, gloo speaks TCP, and socketpair() (a private
+# pair, reaching nothing) stays allowed. NCCL's proxy does need them, so a machine with CUDA is left as it is.
+_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER = 22, 2
+_AUDIT_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
+_NR_SOCKET = {"x86_64": 41, "aarch64": 198}
+_AF_UNIX, _EACCES, _ENOSYS = 1, 13, 38
+_RET_ALLOW, _RET_ERRNO = 0x7FFF0000, 0x00050000
+_LD_W_ABS, _JEQ_K, _JGE_K, _RET_K = 0x20, 0x15, 0x35, 0x06
+
+
+class _SockFilter(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint16), ("jt", ctypes.c_uint8), ("jf", ctypes.c_uint8), ("k", ctypes.c_uint32)]
+
+
+class _SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(_SockFilter))]
+
+
+def refuse_unix_sockets() -> str:
+    """Make ``socket(AF_UNIX, …)`` fail with ``EACCES`` in this process and its children (seccomp; ``no_new_privs``
+    is set by :func:`drop_privileges`). Returns what was done, in words."""
+    from kit import cuda_present
+
+    machine = os.uname().machine
+    libc = _libc()
+    if libc is None or machine not in _AUDIT_ARCH:
+        return f"Unix sockets not filtered (seccomp filter written for x86_64 and aarch64, not {machine})"
+    if cuda_present():
+        return "Unix sockets allowed (NCCL's proxy needs them)"
+    program = [
+        _SockFilter(_LD_W_ABS, 0, 0, 4),  # arch
+        _SockFilter(_JEQ_K, 1, 0, _AUDIT_ARCH[machine]),
+        _SockFilter(_RET_K, 0, 0, _RET_ERRNO | _ENOSYS),  # another ABI (i386's socketcall): nothing a worker needs
+        _SockFilter(_LD_W_ABS, 0, 0, 0),  # syscall number
+        _SockFilter(_JGE_K, 4, 0, 0x40000000),  # x32's numbers: refused below, like another ABI
+        _SockFilter(_JEQ_K, 0, 2, _NR_SOCKET[machine]),
+        _SockFilter(_LD_W_ABS, 0, 0, 16),  # socket()'s first argument, the address family (low 32 bits)
+        _SockFilter(_JEQ_K, 1, 0, _AF_UNIX),
+        _SockFilter(_RET_K, 0, 0, _RET_ALLOW),
+        _SockFilter(_RET_K, 0, 0, _RET_ERRNO | _EACCES),
+    ]
+    # x32 jumps (+4 from index 4) land on the EACCES return: refused too.
+    filters = (_SockFilter * len(program))(*program)
+    prog = _SockFprog(len(program), ctypes.cast(filters, ctypes.POINTER(_SockFilter)))
+    if libc.prctl(_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, ctypes.byref(prog), 0, 0) != 0:
+        return f"Unix sockets not filtered (seccomp: {os.strerror(ctypes.get_errno())})"
+    return "no new Unix sockets (seccomp)"
 
 
 def keep_out_of_reach() -> None:

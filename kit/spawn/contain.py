@@ -153,7 +153,7 @@ def cgroup_support() -> str:
     if group is None:
         return f"no: {why}"
     group.kill()
-    return "yes: " + why.replace(str(group.path), "each run's own cgroup")
+    return "yes: each run in a cgroup of its own, killed as a whole with cgroup.kill"
 
 
 # ----------------------------------------------------------------------------------------------------
