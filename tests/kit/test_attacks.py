@@ -12,21 +12,27 @@ import pytest
 from kit.grading import batch, reporting, running
 from kit.grading.scoring import GradeResult
 from kit.spawn.confine import landlock_abi
+from kit.spawn.contain import cgroup_support
 
 ATTACKS = Path(__file__).resolve().parent / "attacks"
 ROOT = Path(__file__).resolve().parents[2]
 CONFINED = landlock_abi() >= 1
+CONTAINED = cgroup_support().startswith("yes")  # each run in a cgroup of its own (kit.spawn.contain)
 MARKER = Path("/tmp/kit-attack-forge-channel-ran-in-the-judge")
 
 
 def _processes_with(token: bytes) -> list[int]:
+    """Processes with ``token`` in their command line, read per thread: a process whose main thread has exited
+    (zombie_daemon) shows an empty command line for its main thread, and its live threads' for the others."""
     found = []
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
-                with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    if token in f.read():
-                        found.append(int(entry))
+                for task in os.listdir(f"/proc/{entry}/task"):
+                    with open(f"/proc/{entry}/task/{task}/cmdline", "rb") as f:
+                        if token in f.read():
+                            found.append(int(entry))
+                            break
             except OSError:
                 pass
     return found
@@ -67,9 +73,40 @@ def test_patches_in_the_worker_never_reach_a_verdict(graded):
     results, _ = graded
     assert all("NotImplementedError" in t.output for t in results["testreport_init"].tests), (
         "testreport_init: the stubs' own failures are reported as they are")
-    assert "wrong on purpose" in _outputs(results["patch_reporting"]), "the worker's error, untouched by its patches"
+    # patch_reporting rewrites the kit's comparisons when it is imported: from then on its worker answers
+    # "tampered" to every request (kit.spawn.checkbook), the import check first, so the stage does not import.
+    text = _outputs(results["patch_reporting"])
+    assert "the checks in this worker were tampered with" in text and "was replaced" in text, text[:2000]
     text = _outputs(results["patch_at_call_time"])
     assert "wrong on purpose, after patching" in text, "the worker's error, untouched by its own patches"
+    assert "the checks in this worker were tampered with" in text, "the requests after the patching are refused"
+
+
+def test_checks_replaced_by_forgeries_are_never_called(graded):
+    # forge_checks replaces Stage 1's worker-side checks with functions returning what a correct implementation
+    # records (10/28 on the last commit without the checkbook): the worker resolves checks from its checkbook,
+    # so the stubs run (NotImplementedError), and it says what was replaced.
+    text = _outputs(graded[0]["forge_checks"])
+    assert "test_stage1_benchmarking._time_fn_with_fake_clock was replaced" in text, text[:2000]
+
+
+def test_links_swapped_in_for_worker_files_reach_nothing(graded):
+    # swap_output_links replaces its stdout, stderr and stack files by links to the hidden judge half and to
+    # /proc/self/environ, then hangs (a stack dump) and dies (a stderr tail). On the last commit the judge opened
+    # those paths and put the hidden test and its own environment, grading key included, into visible output.
+    result = graded[0]["swap_output_links"]
+    text = _outputs(result)
+    hidden = (ROOT / "tests" / "hidden" / "test_stage1_hidden.py").read_text().splitlines()[0]
+    assert hidden not in text and "KIT_GRADING" not in text and "PATH=" not in text, text[:2000]
+    assert "Current thread" in text, "the hung worker's real stack is quoted, from the judge's own descriptor"
+
+
+def test_a_daemon_that_hides_from_proc_is_killed_and_reported(graded):
+    # zombie_daemon's daemon left its session and environment and exited its main thread: /proc shows it as a
+    # zombie. On the last commit it outlived the grade (4 of them); the run's cgroup kills it, and the grade says.
+    assert not _processes_with(b"7654321")
+    message = graded[0]["zombie_daemon"].message
+    assert "killed" in message or not CONTAINED, message
 
 
 def test_what_claims_to_equal_anything_arrives_as_plain_data(graded):
@@ -130,3 +167,13 @@ def test_hang_and_memory_and_output_are_contained(graded):
     assert any("MemoryError" in t.output or "without reporting" in t.output for t in results["out_of_memory"].tests)
     size = (out / "flood_output" / "results.json").stat().st_size
     assert size < 2_000_000, f"results.json of flood_output is {size} bytes: output must be truncated"
+
+
+def test_decode_bomb_costs_the_judge_little(graded):
+    # 1.7 KB whose pickle refers to one list 2^60 times: the judge walks a million parts of it, refuses it as not
+    # data (wire.MAX_NODES) and goes on, in a third of a CPU-second instead of millennia.
+    result = graded[0]["decode_bomb"]
+    text = _outputs(result)
+    assert "the worker sent something that is not data" in text and "(wire.MAX_NODES" in text, text[:2000]
+    assert all(t.status == "failed" for t in result.tests)
+    assert "--judge-cpu-limit" not in text, "refused by the decoder's limit, long before the judge's CPU limit"
