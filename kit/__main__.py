@@ -27,7 +27,7 @@ def _limits(args: argparse.Namespace):
 
     return Limits(timeout=args.timeout, per_test_timeout=args.per_test_timeout, import_timeout=args.import_timeout,
                   timing_factor=args.timing_factor, timing_floor=args.timing_floor, idle_limit=args.idle_limit,
-                  memory_gb=args.memory_gb or None)
+                  judge_cpu_limit=args.judge_cpu_limit, memory_gb=args.memory_gb or None)
 
 
 def _grade_batch(args: argparse.Namespace, **kwargs) -> int:
@@ -150,6 +150,9 @@ def _limit_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timing-floor", type=float, default=timings.FLOOR, help="…but at least this many CPU-seconds")
     p.add_argument("--idle-limit", type=float, default=timings.IDLE,
                    help="seconds a test's workers may make no progress (blocked) before they are stopped")
+    p.add_argument("--judge-cpu-limit", type=float, default=timings.JUDGE_CPU_LIMIT,
+                   help="CPU-seconds the judge itself may spend on one test (reading and checking what the workers "
+                        "sent; 0: none)")
     p.add_argument("--memory-gb", type=float, default=8.0, help="address-space limit per process (CPU; 0: none)")
 
 

@@ -62,12 +62,7 @@ from kit.spawn import parent as workers
 from kit.spawn.confine import Rules, keep_out_of_reach
 
 IMPLEMENTATIONS = ("student", "reference")
-# CPU-seconds the judge itself may spend on one test's setup and call. Measured with the reference (stages 1-7
-# and the hidden tests, time.process_time() around setup and call): at most 1.23 s, in the first test that
-# needs torch in the judge (its import is 0.9-1.0 s of it), 0.54 s in any other. 12x that leaves room for a
-# slower processor and a heavier import (torch with CUDA on a GPU machine), while an answer too costly to
-# check stops the judge after seconds, not minutes. kit.grading.running.Limits has the same default.
-JUDGE_CPU_LIMIT = 15.0
+JUDGE_CPU_LIMIT = timings.JUDGE_CPU_LIMIT
 
 
 class _State:

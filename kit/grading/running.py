@@ -62,7 +62,7 @@ class Limits:
     timing_factor: float = timings.FACTOR
     timing_floor: float = timings.FLOOR
     idle_limit: float = timings.IDLE
-    judge_cpu_limit: float = 15.0  # kit.grading.plugin.JUDGE_CPU_LIMIT (the grader does not import pytest)
+    judge_cpu_limit: float = timings.JUDGE_CPU_LIMIT
     memory_gb: float | None = 8.0
     file_gb: float | None = 2.0
 

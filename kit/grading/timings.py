@@ -30,6 +30,12 @@ from pathlib import Path
 FILES = ("tests/timings.json", "tests/hidden/timings.json")
 FACTOR = 6.0
 FLOOR = 10.0
+# CPU-seconds the judge itself may spend on one test's setup and call. Measured with the reference (stages 1-7
+# and the hidden tests, time.process_time() around setup and call): at most 1.23 s, in the first test that
+# needs torch in the judge (its import is 0.9-1.0 s of it), 0.54 s in any other. 12x that leaves room for a
+# slower processor and a heavier import (torch with CUDA on a GPU machine), while an answer too costly to
+# check stops the judge after seconds, not minutes.
+JUDGE_CPU_LIMIT = 15.0  # the grading plugin's --judge-cpu-limit, and the grader's
 IDLE = 30.0  # seconds without any CPU in a test's workers: blocked for good (kit.spawn.watch)
 
 

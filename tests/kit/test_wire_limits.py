@@ -143,8 +143,15 @@ def test_large_honest_messages_decode_as_before():
     assert _same(decoded, message)
 
 
-def test_the_graders_default_judge_cpu_limit_is_the_plugins():
-    assert running.Limits().judge_cpu_limit == plugin.JUDGE_CPU_LIMIT > 0
+def test_the_judge_cpu_limit_reaches_the_judge_from_the_command_line():
+    import argparse
+
+    from kit.__main__ import _limit_options, _limits
+
+    parser = argparse.ArgumentParser()
+    _limit_options(parser)
+    assert _limits(parser.parse_args([])).judge_cpu_limit == plugin.JUDGE_CPU_LIMIT == running.Limits().judge_cpu_limit
+    assert _limits(parser.parse_args(["--judge-cpu-limit", "7"])).judge_cpu_limit == 7.0
 
 
 BURN = '''import time
