@@ -290,8 +290,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if on_cuda:
         torch._dynamo.config.cache_size_limit = 64  # a few graphs per dtype and head dim
     impl = load(args.impl)
+    cells = plan(args, on_cuda)
+    notes = bench.bf16_notes(any(c["dtype"] == "bf16" for c in cells))
     rows: list[dict] = []
-    for cell, provider in bench.progress([(c, s) for c in plan(args, on_cuda) for s in providers], "attention"):
+    for cell, provider in bench.progress([(c, s) for c in cells for s in providers], "attention"):
         base = {k: cell[k] for k in ("config", "batch", "heads", "seq", "d_head", "dtype", "causal")}
         reason = skip_reason(provider, cell, on_cuda, args)
         if reason is not None:
@@ -315,7 +317,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     title = "Attention: forward / backward / forward+backward (TFLOP/s on model FLOPs)"
     if not on_cuda:
         title += " — CPU run (Triton interpreted); GPU figures must be measured on a GPU"
-    bench.save("bench_attention", rows, args, columns=COLUMNS, title=title)
+    bench.save("bench_attention", rows, args, columns=COLUMNS, title=title, notes=notes)
 
     grid = [r for r in rows if r["config"] == "grid" and r["mode"] == "forward_backward" and r["ms"] is not None]
     if grid:

@@ -270,7 +270,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     title = (f"FSDP vs DDP, ZeRO-1 and fully_shard: {params_m:.1f} M parameters, "
              f"{world} ranks, {batch}×{config['context_length']} tokens per rank, "
              f"compute dtype {args.compute_dtype}")
-    bench.save("bench_fsdp", rows, args, title=title, columns=COLUMNS)
+    bench.save("bench_fsdp", rows, args, title=title, columns=COLUMNS,
+               notes=bench.bf16_notes(args.compute_dtype == "bf16"))
     for r in rows:
         if r.get("note", "").startswith("not implemented"):
             print(f"skipped {r['impl']}: {r['note']}")

@@ -93,13 +93,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     fce = importlib.import_module(f"{load(args.impl).package}.whole_step.fused_cross_entropy")
     dtype = DTYPES[args.dtype]
+    notes = bench.bf16_notes(args.dtype == "bf16")
     rows = []
     for vocab in bench.progress(vocabs, "vocabulary sizes"):
         pair = [run_one(fce, name, tokens, vocab, d, dtype, repeat, device) for name in ("naive", "fused")]
         for row in pair:
             row["loss_diff"] = abs(pair[1]["loss"] - pair[0]["loss"])
         rows += pair
-    bench.save("fused_loss", rows, args,
+    bench.save("fused_loss", rows, args, notes=notes,
                title=f"LM-head loss, naive vs fused: forward + backward, {tokens} tokens, d = {d}, {args.dtype}, "
                      f"{device.type}" + (" (Triton interpreted: times are not GPU times)" if kit.triton_interpreted()
                                          else ""))

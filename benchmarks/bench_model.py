@@ -9,8 +9,10 @@
 Run it from the repository root. Reports mean/std step time, tokens/s, achieved TFLOP/s on model FLOPs
 (``kit.flops.transformer_flops``: 6·N + 6·L·d·T per token for a train step, attention counted causally)
 and, on a GPU the kit knows, model FLOP utilisation (MFU). Writes ``bench_model.{md,csv,json,png}``
-stamped with the device, versions, date, implementation and command — into ``bench-output/`` unless
-``--out DIR`` or ``--save`` says otherwise (``--save``: full reference runs only).
+stamped with the device, versions, date, implementation, command and the machine (CPU model, instruction sets,
+BLAS) — into ``bench-output/`` unless ``--out DIR`` or ``--save`` says otherwise (``--save``: full reference
+runs only). On a CPU the bf16 rows depend on the CPU: without bf16 units (avx512_bf16 or AMX on x86, bf16 on
+ARM) bf16 is emulated and slower than fp32, and the table carries a note saying so.
 
 ``--compile`` (handout 01 §7) times the whole model eager and under ``torch.compile`` for the forward and
 the forward+backward, side by side in one run, and writes ``bench_model_compile.*`` instead: each row has
@@ -123,6 +125,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             1, 2, 2
         args.modes = ["forward", "forward_backward"] if args.compile else ["forward", "train_step"]
 
+    notes = bench.bf16_notes("bf16" in args.dtypes)
     benchmarking = load(args.impl).benchmarking
     variants = (False, True) if args.compile else (False,)
     configs = list(itertools.product(args.presets, args.contexts, args.modes, args.dtypes, variants))
@@ -133,7 +136,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         rows = with_speedups(rows)
         columns[4:4] = ["compile"]
         columns[-1:-1] = ["median_ms", "min_ms", "first_call_s", "speedup"]
-        bench.save("bench_model_compile", rows, args, columns=columns,
+        bench.save("bench_model_compile", rows, args, columns=columns, notes=notes,
                    title="Stage 1 — the whole model, eager vs torch.compile (first call includes compilation)")
         fig, ax = bench.subplots(figsize=(7, 4))
         labels = [f"{r['preset']} {r['context']} {r['mode']} {r['dtype']}\n{r['compile']}" for r in rows]
@@ -143,7 +146,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         ax.tick_params(axis="x", labelsize=6)
         bench.save_figure(fig, "bench_model_compile", args)
         return rows
-    bench.save("bench_model", rows, args, columns=columns,
+    bench.save("bench_model", rows, args, columns=columns, notes=notes,
                title="Stage 1 — Transformer step time (TFLOP/s on model FLOPs, causal attention)")
 
     fig, ax = bench.subplots(figsize=(7, 4))

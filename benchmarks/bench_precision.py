@@ -115,11 +115,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     impl = load(args.impl)
 
     configs = [(p_, c, d) for p_ in presets for c in contexts for d in args.dtypes]
+    notes = bench.bf16_notes("bf16" in args.dtypes)
     rows = [run_one(impl, preset, context, batch, dtype, device, warmup, iters)
             for preset, context, dtype in bench.progress(configs, "precision")]
     columns = ["preset", "context", "batch", "dtype"] + [f"{n}{s}" for n in PHASES for s in ("_ms", "_std_ms")] + [
         "spread", "train_tflops", "mfu", "saved_MiB", "estimate_MiB", "peak_forward_MiB", "peak_train_MiB"]
-    bench.save("precision", rows, args, columns=columns,
+    bench.save("precision", rows, args, columns=columns, notes=notes,
                title=f"Mixed precision: median time ({warmup} warm-up + {iters} timed calls) and memory")
 
     fig, axes = bench.subplots(1, 2, figsize=(11, 4))

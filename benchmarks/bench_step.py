@@ -17,7 +17,9 @@ Run it from the repository root. Two tables:
   moves per parameter (handout 07b §4).
 
 On a CPU the Triton kernels run in the interpreter, in Python: their rows time the interpreter, not the
-kernels. GPU rows are unmeasured until someone runs this on a GPU.
+kernels. The bf16 rows depend on the CPU: with bf16 units (avx512_bf16 or AMX on x86, bf16 on ARM) they are
+usually faster than fp32, without them bf16 is emulated and several times slower; the table's stamp names the CPU,
+and a CPU without them gets a note. GPU rows are unmeasured until someone runs this on a GPU.
 """
 
 from __future__ import annotations
@@ -147,6 +149,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             model, batch, warmup, iters = TASKS["gpu1"].gate_model.with_(context_length=4096), 4, 3, 10
     warmup, iters = args.warmup or warmup, args.iters or iters
     names = args.only or names
+    notes = bench.bf16_notes(any(CONFIGS[n].get("dtype", "fp32") != "fp32" for n in names))
     rows, naive_loss = [], None
     for name in bench.progress(names, "step configurations"):
         row = measure_step(args.impl, model, batch, name, CONFIGS[name], warmup, iters, naive_loss)
@@ -161,7 +164,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
              f"{model.context_length} tokens")
     bench.save("bench_step", rows, args, title=f"One training step, one process: {shape}",
                columns=["config", "attention", "loss", "optimizer", "dtype", "status", "step_ms", "iqr_ms",
-                        "vs_naive", "tokens_per_s", "loss_diff_vs_naive", "peak_mib", "mfu"])
+                        "vs_naive", "tokens_per_s", "loss_diff_vs_naive", "peak_mib", "mfu"], notes=notes)
     opt_rows = measure_optimizers(args.impl, model, warmup, iters)
     bench.save("bench_step_optimizer", opt_rows, args, title=f"optimizer.step() alone, fp32: {shape}")
 

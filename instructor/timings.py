@@ -3,22 +3,23 @@
 Grades the reference with the hidden tests and writes, per test, the wall seconds of setup, call and
 teardown and the CPU seconds its workers used in setup and call: ``tests/timings.json`` for the public
 tests, ``tests/hidden/timings.json`` for the hidden ones. The grader derives each test's CPU budget from
-them (:mod:`kit.grading.timings`). Each stage's entries carry their own provenance (machine, date,
-command), since ``--stage`` re-records one stage and leaves the others as they were.
+them (:mod:`kit.grading.timings`). Each stage's entries carry their own provenance (the machine stamp of
+:func:`kit.results.machine_stamp` — CPU model, instruction sets, torch's CPU capability and BLAS —, the load,
+date and command), since ``--stage`` re-records one stage and leaves the others as they were. Only ``tests`` is
+read back (by :mod:`kit.grading.timings`); ``recorded`` is for the people who compare budgets across machines.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import sys
 import time
 from pathlib import Path
 
 from kit import stages as registry
 from kit.grading.timings import FILES
+from kit.results import load_average, machine_stamp
 
 ROOT = Path(__file__).resolve().parent.parent
 ABOUT = ("Reference seconds of each graded test: wall [setup, call, teardown], then the CPU its workers used "
@@ -44,7 +45,11 @@ def record(durations: dict[str, list[float]], root: Path, command: str) -> list[
     """Merge measured ``{nodeid: [setup, call, teardown, cpu_setup, cpu_call]}`` into the timings files; return
     those written. A file's tests that were not measured this time are dropped when others of the same file
     were (they no longer exist); tests of files not graded this time keep their old times and provenance."""
-    stamp = {"machine": f"{os.cpu_count()} cores, {platform.machine()}, {platform.system()}",
+    # The same stamp as every benchmark table: a budget recorded on one CPU is only comparable with another's
+    # when both say which CPU, which instruction sets and which BLAS they ran on.
+    # The tests' workers and ranks all run one torch thread (kit.spawn): that, not this process's count, is what
+    # the times were measured with.
+    stamp = {"machine": {**machine_stamp(), "torch_threads": 1}, "load": load_average(),
              "date": time.strftime("%Y-%m-%d"), "command": command}
     written = []
     for name in FILES:

@@ -24,6 +24,10 @@ Where results go — never over the committed tables by accident:
 * with ``--save`` into ``benchmarks/results/``, the committed tables. Only a full run (no ``--smoke``) of
   the reference (``--impl reference``) may write there; ``--out benchmarks/results`` obeys the same rule.
 
+Every table is stamped with the machine that made it (:func:`kit.results.machine_stamp`: CPU model, instruction
+sets, bf16 units, torch's CPU capability and BLAS). A benchmark that times bf16 on a CPU passes
+:func:`bf16_notes` to :func:`save`: on a CPU without bf16 units its bf16 rows are emulated, slower than fp32.
+
 Distributed benchmarks time a step on every rank with :func:`step_time`, start their ranks with
 :func:`kit.launch.on_ranks` (spawned here, or this process is one of torchrun's ranks) and let rank 0 alone save
 (:func:`kit.launch.is_main`).
@@ -39,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from .impl import CHOICES, ENV_VAR, selected
-from .results import RESULTS_DIR, SCRATCH_DIR, save_results
+from .results import RESULTS_DIR, SCRATCH_DIR, bf16_note, machine_stamp, save_results
 
 
 def parser(doc: str | None) -> argparse.ArgumentParser:
@@ -100,17 +104,34 @@ def progress(items: Iterable, desc: str, unit: str = "config"):
     return tqdm(items, desc=desc, unit=unit, disable=quiet, dynamic_ncols=True)
 
 
+def bf16_notes(measures_bf16: bool) -> list[str]:
+    """The notes for a table that times bf16 on this CPU: one line, printed now (before a long run) and to be
+    passed to :func:`save`, when the CPU has no bf16 units (or may have none), so that nobody reads its bf16 rows
+    as what bf16 does elsewhere. Nothing when ``measures_bf16`` is false or the rows run on a GPU."""
+    import torch
+
+    if not measures_bf16 or torch.cuda.is_available():
+        return []
+    note = bf16_note(machine_stamp())
+    if note is None:
+        return []
+    print(f"Note: {note}", flush=True)
+    return [note]
+
+
 def save(name: str, rows: list[dict], args: argparse.Namespace, *, title: str,
-         columns: list[str] | None = None) -> dict[str, Path]:
+         columns: list[str] | None = None, notes: list[str] | None = None) -> dict[str, Path]:
     """Print the markdown table and write ``<name>.{md,csv,json}`` into ``args.out``, stamped with the device,
-    versions, date, command and implementation (and the launcher, under torchrun). Returns the paths by suffix."""
+    versions, date, command, implementation (and the launcher, under torchrun) and the machine (CPU model,
+    instruction sets, BLAS: :func:`kit.results.machine_stamp`), with ``notes`` (e.g. :func:`bf16_notes`) above
+    the table. Returns the paths by suffix."""
     from .launch import describe, launched
 
     stamp = {"impl": args.impl}
     launch = launched()
     if launch is not None:
         stamp["launcher"] = describe(launch)
-    return save_results(name, rows, out_dir=args.out, columns=columns, title=title, stamp=stamp)
+    return save_results(name, rows, out_dir=args.out, columns=columns, title=title, stamp=stamp, notes=notes)
 
 
 def subplots(*args: Any, **kwargs: Any):

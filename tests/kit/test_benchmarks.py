@@ -59,6 +59,9 @@ def test_benchmark_smoke(name: str, tmp_path: Path) -> None:
         for key in ("device", "torch", "date", "command", "impl"):
             assert stamp.get(key), f"{path.name} lacks the {key!r} stamp"
         assert stamp["command"].startswith(f"python -m benchmarks.{name} --smoke"), stamp["command"]
+        # Which CPU made the figures (issue 38): its model, instruction sets, bf16 units and BLAS.
+        for key in ("cpu", "arch", "isa", "native_bf16", "torch_cpu_capability", "blas"):
+            assert key in stamp.get("machine", {}), f"{path.name} lacks the machine stamp's {key!r}"
     assert "|" in proc.stdout, f"{name} printed no markdown table"
 
 
