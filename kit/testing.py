@@ -36,14 +36,19 @@ def assert_close(
     rtol: float = 1e-5,
     atol: float = 1e-6,
     check_dtype: bool = False,
+    allowance: torch.Tensor | None = None,
+    allowance_why: str = "",
 ) -> None:
-    """Assert ``|actual - expected| <= atol + rtol * |expected|`` elementwise, explaining any failure.
+    """Assert ``|actual - expected| <= atol + rtol * |expected| (+ allowance)`` elementwise, explaining any failure.
 
     Args:
         actual: the implementation's tensor.
         expected: the trusted value (usually computed in float64).
         name: the quantity, e.g. ``"dQ"`` or ``"rank 1 parameter fc1.weight after step 3"``.
         section: the handout section that explains the quantity, e.g. ``"handout/03 §3.4"``.
+        allowance: an element-wise bound added to the tolerance (shape of ``expected``), where the error model gives
+            each element its own (AdamW's update of an element whose gradient is near its rounding error);
+            ``allowance_why`` names it in the message.
     """
     if not isinstance(actual, torch.Tensor):
         raise AssertionError(f"{name}: expected a torch.Tensor, got {type(actual).__name__}. See {section}.")
@@ -69,6 +74,8 @@ def assert_close(
         )
     err = (a - e).abs()
     bound = atol + rtol * e.abs()
+    if allowance is not None:
+        bound = bound + allowance.detach().to("cpu", torch.float64)
     excess = torch.where(torch.isfinite(e), err - bound, torch.zeros_like(err))
     if (excess > 0).any() and a.dim() == 0:
         raise AssertionError(
@@ -79,7 +86,8 @@ def assert_close(
         i = int(excess.flatten().argmax())
         n_bad = int((excess > 0).sum())
         raise AssertionError(
-            f"{name}: {n_bad} of {a.numel()} elements outside tolerance (rtol={rtol:g}, atol={atol:g}). "
+            f"{name}: {n_bad} of {a.numel()} elements outside tolerance (rtol={rtol:g}, atol={atol:g}"
+            f"{f', plus {allowance_why}' if allowance is not None else ''}). "
             f"Worst at index {_fmt_index(i, a.shape)}: got {a.flatten()[i].item():.6g}, expected "
             f"{e.flatten()[i].item():.6g} (|diff| {err.flatten()[i].item():.3g} > allowed "
             f"{bound.flatten()[i].item():.3g}); max |diff| overall {err.max().item():.3g}. See {section}."
