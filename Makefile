@@ -22,7 +22,7 @@ HAVE_REFERENCE := $(wildcard reference/__init__.py)
 export PYTHONDONTWRITEBYTECODE := 1
 
 .PHONY: help setup grade test test-reference test-kit test-cluster lint student check-student release autograder check-handout soak \
-        timings stages mutants answers notebooks bench doctor clean wheelhouse gpu-check new-stage bench-loop lab leaderboard
+        timings stages numerics mutants answers notebooks bench doctor clean wheelhouse gpu-check new-stage bench-loop lab leaderboard
 
 # `##` describes a target for `make help`; `##@instructor` marks one that needs reference/ (hidden in the student
 # release), `##@student` one that only the student release has.
@@ -97,6 +97,9 @@ soak: setup ##@instructor run the graded reference suite RUNS times; stops at th
 
 timings: setup ##@instructor record each graded test's reference time in tests/timings.json (the grader's per-test limits)
 	$(PY) -m instructor timings $(if $(STAGE),--stage $(STAGE))
+
+numerics: setup ##@instructor grade the reference (public + hidden) on each CPU code path a grader may take (CELL=auto: today's one; STAGE=N)
+	$(PY) -m instructor numerics $(if $(CELL),--cell $(CELL)) $(if $(STAGE),--stage $(STAGE))
 
 mutants: setup ##@instructor the misconception catalogue (tests/kit/mutants): each mistake must fail a public test (STAGE=N or auto, BUDGET=seconds)
 	$(PY) -m instructor mutants $(if $(STAGE),--stage $(STAGE)) $(if $(BUDGET),--budget $(BUDGET))

@@ -1,4 +1,4 @@
-"""``python -m instructor {release,autograder,mutants,answers,gpu-check,timings,new-stage}``: the instructor's tools.
+"""``python -m instructor {release,autograder,mutants,answers,gpu-check,timings,numerics,new-stage}``: instructor tools.
 
 Each command's own ``--help`` says more; the Makefile targets call these (``make student``, ``make release``,
 ``make autograder``, ``make mutants``, ``make answers``, ``make gpu-check``, ``make timings``, ``make new-stage``).
@@ -48,6 +48,7 @@ PASS_THROUGH = {
     "answers": ("instructor.answer_key", "render the answer key into answers-output/"),
     "gpu-check": ("instructor.gpu_check", "on a CUDA machine: the whole GPU path → benchmarks/results/gpu/"),
     "timings": ("instructor.timings", "record every graded test's reference run in tests/timings.json"),
+    "numerics": ("instructor.numerics", "grade the reference on each CPU code path (MKL_CBWR × ATEN_CPU_CAPABILITY)"),
     "new-stage": ("instructor.scaffold", "write the skeletons of a new stage and its registry entry"),
 }
 
