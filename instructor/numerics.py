@@ -1,13 +1,16 @@
 """``python -m instructor numerics``: the reference graded, public and hidden tests, on each CPU code path a grader
 or a student's laptop may take. Every cell must give full marks (``make numerics``).
 
-A CPU changes results through two switches, and this machine can take each path another CPU would:
+A CPU changes results through three switches, and this machine can take each path another CPU would:
 
 * ``MKL_CBWR`` — the code path of MKL, the BLAS of torch's x86 wheels (every matmul): ``AUTO`` (this CPU's
   widest), ``COMPATIBLE`` (SSE2, the most generic), ``AVX2`` (an AMD EPYC or a laptop without AVX-512),
   ``AVX512`` (only where the CPU has it);
 * ``ATEN_CPU_CAPABILITY`` — the vectorised kernels of ATen itself (element-wise ops, reductions, softmax):
-  ``default`` (no SIMD), ``avx2``, ``avx512`` (where the CPU has it).
+  ``default`` (no SIMD), ``avx2``, ``avx512`` (where the CPU has it);
+* ``ONEDNN_MAX_CPU_ISA`` — oneDNN's code path, which runs torch's bf16 and fp16 matmuls on a CPU: capped at
+  ``AVX2`` it has no bf16 units, as on an AMD EPYC or a laptop (bf16 matmuls emulated, 40-270x slower here),
+  ``SSE41`` the most generic.
 
 The matrix is pruned to the cells that change a result, and says how:
 
@@ -42,24 +45,25 @@ class Cell:
     name: str
     mkl_cbwr: str  # "" leaves MKL_CBWR unset (AUTO)
     aten: str  # "" leaves ATEN_CPU_CAPABILITY unset (this CPU's widest)
+    onednn: str = ""  # "" leaves ONEDNN_MAX_CPU_ISA unset (this CPU's widest)
     needs: str = ""  # a /proc/cpuinfo flag the CPU must have, e.g. "avx512f"
     why: str = ""
 
     def env(self) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items() if k not in ("MKL_CBWR", "ATEN_CPU_CAPABILITY")}
-        if self.mkl_cbwr:
-            env["MKL_CBWR"] = self.mkl_cbwr
-        if self.aten:
-            env["ATEN_CPU_CAPABILITY"] = self.aten
+        env = {k: v for k, v in os.environ.items() if k not in SWITCHES}
+        for name, value in zip(SWITCHES, (self.mkl_cbwr, self.aten, self.onednn)):
+            if value:
+                env[name] = value
         return env
 
 
+SWITCHES = ("MKL_CBWR", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")
 CELLS = (
-    Cell("native", "", "", why="this CPU's own paths: what recorded the timings"),
-    Cell("avx2", "AVX2", "avx2", "avx2", "an AVX2 CPU (AMD EPYC, most laptops): both paths AVX2"),
-    Cell("avx512", "AVX512", "avx512", "avx512f", "an AVX-512 CPU forced to exactly that"),
-    Cell("generic", "COMPATIBLE", "default", why="the most generic paths: no SIMD in ATen, SSE2 in MKL"),
-    Cell("mixed", "AVX2", "default", "avx2", "the widest mismatch: MKL's AVX2 matmuls, ATen's scalar kernels"),
+    Cell("native", "", "", why="this CPU's own paths"),
+    Cell("avx2", "AVX2", "avx2", "AVX2", "avx2", "an AVX2 CPU without bf16 units (AMD EPYC, most laptops)"),
+    Cell("avx512", "AVX512", "avx512", "AVX512_CORE", "avx512f", "an AVX-512 CPU without bf16 units"),
+    Cell("generic", "COMPATIBLE", "default", "SSE41", why="the most generic paths everywhere (the slowest)"),
+    Cell("mixed", "AVX2", "default", "AVX2", "avx2", "the widest mismatch: MKL's AVX2, ATen's scalar kernels"),
 )
 
 
@@ -120,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     rows, failed = [], False
     for n, cell in enumerate(cells, 1):
         print(f"[{n}/{len(cells)}] {cell.name}: MKL_CBWR={cell.mkl_cbwr or 'AUTO'} "
-              f"ATEN_CPU_CAPABILITY={cell.aten or 'native'} ({cell.why}) …", flush=True)
+              f"ATEN_CPU_CAPABILITY={cell.aten or 'native'} ONEDNN_MAX_CPU_ISA={cell.onednn or 'native'} "
+              f"({cell.why}) …", flush=True)
         row = grade(cell, out, args.stage, not args.public)
         rows.append(row)
         full = row["score"] is not None and row["score"] == row["max"]
@@ -128,12 +133,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"    {row['score']}/{row['max']} in {row['seconds']:.0f} s" + ("" if full else " — NOT full marks:"))
         for line in row["lost"]:
             print(f"      {line}")
-    print("\n| cell | MKL_CBWR | ATEN_CPU_CAPABILITY | score | wall s |\n|---|---|---|---|---|")
+    print("\n| cell | MKL_CBWR | ATEN_CPU_CAPABILITY | ONEDNN_MAX_CPU_ISA | score | wall s |")
+    print("|---|---|---|---|---|---|")
     by_name = {c.name: c for c in CELLS}
     for row in rows:
         cell = by_name[row["cell"]]
-        print(f"| {cell.name} | {cell.mkl_cbwr or 'AUTO'} | {cell.aten or 'native'} | {row['score']}/{row['max']} | "
-              f"{row['seconds']:.0f} |")
+        print(f"| {cell.name} | {cell.mkl_cbwr or 'AUTO'} | {cell.aten or 'native'} | {cell.onednn or 'native'} | "
+              f"{row['score']}/{row['max']} | {row['seconds']:.0f} |")
     for note in skipped:
         print(f"skipped {note}")
     command = "python -m instructor numerics " + " ".join(sys.argv[1:] if argv is None else argv)
