@@ -42,6 +42,7 @@ and ignored.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.abc
 import json
 import os
@@ -244,6 +245,16 @@ def _meter_judge_cpu(on: bool) -> None:
         _State.judge_cpu_left = signal.setitimer(signal.ITIMER_PROF, 0)[0]
 
 
+@contextlib.contextmanager
+def _judge_cpu_metered():
+    """The judge's CPU timer runs inside (a phase of the current test), and is paused after."""
+    _meter_judge_cpu(True)
+    try:
+        yield
+    finally:
+        _meter_judge_cpu(False)
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_setup(item: pytest.Item):
     file = item.nodeid.split("::")[0]
@@ -258,20 +269,14 @@ def pytest_runtest_setup(item: pytest.Item):
     workers.set_allowance(workers.Allowance(cpu=budget.cpu, idle=idle, wall=budget.run))
     _State.cpu_at_phase_start = 0.0
     _State.judge_cpu_left, _State.judge_cpu_spent = _State.judge_cpu_limit, False
-    _meter_judge_cpu(True)
-    try:
+    with _judge_cpu_metered():
         return (yield)
-    finally:
-        _meter_judge_cpu(False)
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item: pytest.Item):
-    _meter_judge_cpu(True)
-    try:
+    with _judge_cpu_metered():
         return (yield)
-    finally:
-        _meter_judge_cpu(False)
 
 
 @pytest.hookimpl(wrapper=True)
