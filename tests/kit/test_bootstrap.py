@@ -201,6 +201,33 @@ def test_gpu_install_pins_the_cuda_machines_torch_triton_numpy(monkeypatch):
     assert str(bootstrap.CONSTRAINTS) not in cmd and cmd[-1] == "einops>=0.8"
 
 
+def test_linux_cpu_install_retries_torch_from_pytorchs_cpu_index(monkeypatch, capsys):
+    """PyPI's Linux torch 2.13.0 is the CUDA build and needs triton 3.7.1 (the kit pins 3.6.0), so a laptop that sees
+    only PyPI fails the first resolve; the retry adds PyTorch's CPU index. The index is never tried first."""
+    monkeypatch.setattr(bootstrap, "requirements", lambda: ["torch==2.13.0", "einops>=0.8"])
+    monkeypatch.setattr(bootstrap.sys, "platform", "linux")
+    seen: list[list[str]] = []
+
+    def run(cmd):
+        seen.append(cmd)
+        return 1 if len(seen) == 1 else 0
+
+    assert bootstrap.setup(gpu=False, wheels=None, run=run, version_of=lambda name: None) == 0
+    assert len(seen) == 2 and bootstrap.TORCH_CPU_INDEX not in seen[0]
+    assert seen[1][seen[1].index("--extra-index-url") + 1] == bootstrap.TORCH_CPU_INDEX
+    assert "CPU wheels" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("missing", "gpu", "wheels", "platform"), [
+    (["einops>=0.8"], False, None, "linux"),             # torch is not what failed
+    (["torch==2.13.0"], True, None, "linux"),            # a CUDA machine keeps its own torch
+    (["torch==2.13.0"], False, Path("w"), "linux"),      # a wheel folder means no index at all
+    (["torch==2.13.0"], False, None, "darwin"),          # PyPI's macOS torch is the CPU build
+])
+def test_no_cpu_index_retry_where_it_cannot_help(missing, gpu, wheels, platform):
+    assert not bootstrap.needs_torch_cpu_index(missing, gpu=gpu, wheels=wheels, platform=platform)
+
+
 def test_download_can_skip_what_the_target_has(tmp_path):
     cmd = bootstrap.download_command(tmp_path, python_version="3.12", skip=("matplotlib", "Ruff"))
     assert not any(c.startswith(("matplotlib", "ruff")) for c in cmd) and any(c.startswith("nvtx") for c in cmd)
