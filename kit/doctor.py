@@ -8,7 +8,7 @@ import shutil
 import sys
 
 import kit
-from kit import nvtx_ranges
+from kit import nvtx_ranges, results
 
 
 def _version(module: str) -> str:
@@ -31,6 +31,10 @@ def report() -> str:
         f"  nvtx        {_version('nvtx')} (NVTX ranges: {nvtx_ranges.BACKEND})",
         f"  CPU threads {torch.get_num_threads()}",
     ]
+    machine = results.machine_stamp()
+    isa = " ".join(machine.get("isa") or []) or "unknown"
+    bf16 = {True: "yes", False: "no", None: "unknown"}[machine.get("native_bf16")]
+    lines.append(f"  CPU         {machine.get('cpu')} ({machine.get('arch')}; {isa}; bf16 units: {bf16})")
     if cuda:
         props = torch.cuda.get_device_properties(0)
         lines.append(f"  CUDA device {props.name} ×{torch.cuda.device_count()}, {props.total_memory / 2**30:.0f} GiB, "
@@ -58,6 +62,12 @@ def report() -> str:
                   "use the torch.profiler route (handout 01 §5)."))
     lines.append("  Stage 2  " + ("fp16 and bf16 autocast on the GPU." if cuda else
                                   "bf16 autocast on the CPU; fp16 loss scaling is tested with injected gradients."))
+    if not cuda:
+        lines.append("           " + {
+            "yes": "this CPU has bf16 units: bf16 autocast can be faster than fp32 here (benchmarks say by how much).",
+            "no": "this CPU has no bf16 units: bf16 matmuls go through fp32 and run several times slower than fp32 "
+                  "here — right answers, slow figures (handout 01, 07b).",
+            "unknown": "whether this CPU has bf16 units is unknown: compare bf16 and fp32 in bench_model."}[bf16])
     lines.append("  Stage 3  " + ("Triton kernels compile for the GPU; benchmarks are meaningful." if not interp else
                                   "Triton kernels run in the interpreter: correct but slow — keep shapes small."))
     lines.append("  Stages 4–6  distributed code runs on local processes with " + ("NCCL." if cuda else "gloo."))

@@ -201,7 +201,7 @@ def test_save_results_stamps_every_file(tmp_path):
 def test_doctor_reports_versions_and_triton_mode():
     out = subprocess.run([sys.executable, "-m", "kit", "doctor"], cwd=ROOT, capture_output=True, text=True,
                          check=True).stdout
-    for part in ("torch", "triton", "Triton mode", "nsys", "Stage 3"):
+    for part in ("torch", "triton", "Triton mode", "nsys", "Stage 3", "bf16 units: "):
         assert part in out
 
 
