@@ -473,6 +473,8 @@ def compare(records: list[dict], reference: dict, config: dict[str, Any], *, sec
             failures.append(f"rank {r}: {len(got)} losses for {len(want)} steps. See {section}.")
             continue
         for s, (a, e) in enumerate(zip(got, want)):
+            # Step s's loss rounds like the first (loss_rtol) and starts from parameters that each earlier step's
+            # rounded gradients moved a little; to first order those perturbations add: (1 + s)·loss_rtol.
             allowed = tol.loss_rtol * (1 + s) * abs(e)
             if not (math.isfinite(a) and abs(a - e) <= allowed):
                 failures.append(
@@ -499,6 +501,8 @@ def _unaveraged_hint(g: Any, reference: dict, name: str, world: int, allowed: fl
     summed where it should be averaged: over the ranks, or over micro-batches)."""
     e = reference["grads"][name].double()
     ratio = float((g * e).sum() / (e * e).sum()) if float((e * e).sum()) > 0 else 1.0
+    # A hint after the check failed, not a verdict: a least-squares scale ≥ 5 % from 1 (rounding errors of mixed
+    # sign move a fit over the whole tensor far less than tol.grad), within 5 % of the world size for "summed".
     if math.isfinite(ratio) and abs(ratio - 1) > 0.05 and float((g - ratio * e).abs().max()) <= allowed * abs(ratio):
         which = (f"summed over the {world} ranks, not averaged across them (divide by the world size)"
                  if world > 1 and abs(ratio - world) < 0.05 else

@@ -76,10 +76,13 @@ def test_training_state_matches_zero_paper(worker):
     got = worker.call(_training_state, printed)
     for stage, gb in printed.items():
         total = got["paper"][stage] / GB
+        # The paper prints one decimal: half a unit of it, 0.05 GB (fp64 arithmetic adds ~1e-16 relative).
         assert abs(total - gb) < 0.05, (
             f"training_state_bytes(7.5e9, zero_stage={stage}, dp=64) = {total:.2f} GB; the ZeRO paper prints {gb} GB. "
             "See handout 06 §6.1.")
     parts = got["parts"]
+    # Closed forms in fp64 (u = 2⁻⁵³ ≈ 1e-16): a few roundings in any order, ≲ 1e-15; rtol 1e-12 here and below,
+    # where a wrong coefficient is ≥ 1 % off. memory_per_device sums more terms: rtol 1e-9.
     assert_close(torch.tensor([parts["weights"], parts["gradients"], parts["optimizer"]], dtype=torch.float64),
                  torch.tensor([2e9, 2e9 / 8, 12e9 / 8], dtype=torch.float64),
                  name="ZeRO-2 weights, gradients, optimizer bytes for 1B parameters on 8 ranks",
