@@ -70,3 +70,61 @@ def judge_design(stage: int, design: Path, tree: Path, timeout: float) -> trials
         verdict.test, verdict.message = failure[0], trials.headline(failure[1])
     verdict.seconds = round(time.monotonic() - start, 1)
     return verdict
+
+
+# ------------------------------------------------------------------------------------------------ shortcuts
+# The other side of "reasonable designs pass": a submission that wraps PyTorch's own implementation of what a
+# chapter has the student build (torch DDP, ZeroRedundancyOptimizer, fully_shard, GradScaler, SDPA behind a
+# decoy kernel, torch's AdamW) behaves correctly, so only the rule checks (kit.library_rules) can fail it.
+# ``tests/kit/shortcuts/stage<N>/<name>/`` holds such a submission as overrides, like a design; its README's
+# first line says what it skips and a line ``expect: <regex>`` what a failing public test's message must say.
+# Each must fail a public test of its stage with that message (verdict ``killed``), as a mutant must.
+SHORTCUTS = trials.ROOT / "tests" / "kit" / "shortcuts"
+
+
+def load_shortcuts(stage: int, shortcuts: Path = SHORTCUTS) -> list[Path]:
+    """The shortcut folders of one stage."""
+    return load_designs(stage, shortcuts)
+
+
+def shortcut_expectation(shortcut: Path) -> tuple[str, str]:
+    """(summary, expect regex) from the shortcut's README.md."""
+    lines = (shortcut / "README.md").read_text().strip().splitlines()
+    expect = next((line.split(":", 1)[1].strip() for line in lines if line.lower().startswith("expect:")), "")
+    if not expect:
+        raise OverrideError(f"shortcut {shortcut.name}: README.md must have a line 'expect: <regex>'")
+    return lines[0].lstrip("# "), expect
+
+
+def judge_shortcut(stage: int, shortcut: Path, tree: Path, timeout: float) -> trials.Verdict:
+    """Overlay a shortcut on a fresh copy of the reference; a public test must fail with a message matching its
+    ``expect`` (``killed``); ``survived`` when every public test passes, ``unpointed`` when the failures say
+    something else."""
+    import re
+
+    verdict = trials.Verdict(stage, f"shortcut:{shortcut.name}", "", "error")
+    start = time.monotonic()
+    package = tree / "student"
+    shutil.rmtree(package, ignore_errors=True)
+    shutil.copytree(tree / "student.pristine", package)
+    try:
+        verdict.mistake, expect = shortcut_expectation(shortcut)
+        verdict.notes.append("changes " + ", ".join(build(shortcut, package)))
+    except LookupError as exc:
+        verdict.verdict, verdict.message = "stale", str(exc)
+        return verdict
+    code, junit, output = trials.run_tests(tree, stage, stop_when=expect, timeout=timeout)
+    found = trials.failures(junit)
+    pointing = [f for f in found if re.search(expect, f[1], re.I | re.S)]
+    failure = (pointing or found or [None])[0]
+    if code == 0:
+        verdict.verdict = "survived"
+    elif failure is None:
+        verdict.message = trials.headline(output)
+    else:
+        verdict.test, verdict.message = failure[0], trials.headline(failure[1])
+        verdict.verdict = "killed" if pointing else "unpointed"
+        if not pointing:
+            verdict.notes.append(f"no failing test's message matches /{expect}/")
+    verdict.seconds = round(time.monotonic() - start, 1)
+    return verdict

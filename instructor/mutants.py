@@ -188,6 +188,11 @@ def changed_stages(root: Path = ROOT) -> list[int]:
     return [numbers[dt.date.today().toordinal() % len(numbers)]]
 
 
+def _kind(item: Path) -> str:
+    """``"shortcut"`` for a folder of tests/kit/shortcuts (must fail), ``"design"`` for one of tests/kit/designs."""
+    return "shortcut" if alternative_designs.SHORTCUTS in item.parents else "design"
+
+
 def judge_all(stage: int, work: list[Mutant | Path], trees: queue.Queue[Path], timeout: float,
               budget: float | None, started: float) -> tuple[list[Verdict], list[str]]:
     """Judge ``work`` (mutants and designs) with one run per tree of ``trees`` at a time: the verdicts in the
@@ -204,12 +209,16 @@ def judge_all(stage: int, work: list[Mutant | Path], trees: queue.Queue[Path], t
             late = budget is not None and bool(judged) and time.monotonic() - started > budget
         if late:
             with lock:
-                left_over.append(item.name if isinstance(item, Mutant) else f"design:{item.name}")
+                left_over.append(item.name if isinstance(item, Mutant) else f"{_kind(item)}:{item.name}")
         else:
             tree = trees.get()  # a tree no other run is using
             try:
-                verdict = (judge(stage, item, tree, timeout) if isinstance(item, Mutant) else
-                           alternative_designs.judge_design(stage, item, tree, timeout))
+                if isinstance(item, Mutant):
+                    verdict = judge(stage, item, tree, timeout)
+                elif _kind(item) == "shortcut":
+                    verdict = alternative_designs.judge_shortcut(stage, item, tree, timeout)
+                else:
+                    verdict = alternative_designs.judge_design(stage, item, tree, timeout)
             finally:
                 trees.put(tree)
             with lock:
@@ -246,12 +255,14 @@ def run(stages: list[int], *, only: list[str] | None = None, timeout: float = 90
     started = time.monotonic()
     for stage in stages:
         mutants = [m for m in load_catalogue(stage) if not only or m.name in only] if mutants_too else []
+        shortcuts = ([s for s in alternative_designs.load_shortcuts(stage) if not only or f"shortcut:{s.name}" in only]
+                     if mutants_too else [])
         alternatives = ([d for d in alternative_designs.load_designs(stage) if not only or f"design:{d.name}" in only]
                         if designs else [])
-        if not mutants and not alternatives:
+        if not mutants and not shortcuts and not alternatives:
             print(f"stage {stage}: no catalogued mutants or designs" + (f" named {only}" if only else ""))
             continue
-        work: list[Mutant | Path] = [*mutants, *alternatives]
+        work: list[Mutant | Path] = [*mutants, *shortcuts, *alternatives]
         if budget is not None and work:
             shift = dt.date.today().toordinal() % len(work)
             work = work[shift:] + work[:shift]

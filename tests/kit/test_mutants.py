@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from instructor import mutants
-from instructor.designs import build, load_designs
+from instructor.designs import build, load_designs, load_shortcuts, shortcut_expectation
 from instructor.release import solution_blocks
 from kit import stages
 
@@ -102,6 +102,19 @@ def test_every_design_builds_and_holds_only_its_own_definitions(stage: int, tmp_
             assert shared <= MAX_SHARED_LINES, (
                 f"design {design.name} shares a run of {shared} lines with reference/{rel}: a design holds only what "
                 f"it writes differently (at most {MAX_SHARED_LINES} in common: instructor/overrides.py merges it)")
+
+
+@pytest.mark.parametrize("stage", stages.numbers())
+def test_every_shortcut_builds_and_says_what_must_catch_it(stage: int, tmp_path: Path) -> None:
+    """Cheap, on every commit: each library shortcut (tests/kit/shortcuts) still fits the reference, and its README
+    says what it skips and which message must fail it (``make mutants`` judges it)."""
+    for shortcut in load_shortcuts(stage):
+        summary, expect = shortcut_expectation(shortcut)  # OverrideError without an 'expect:' line
+        assert summary and re.compile(expect), f"shortcut {shortcut.name}: README.md's first line says what it skips"
+        package = tmp_path / shortcut.name
+        shutil.copytree(REFERENCE, package, ignore=shutil.ignore_patterns("__pycache__"))
+        for rel in build(shortcut, package):
+            compile((package / rel).read_text(), str(package / rel), "exec")
 
 
 @pytest.fixture(scope="module")
