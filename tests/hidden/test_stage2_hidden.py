@@ -19,6 +19,7 @@ from tests.support.precision import Steps, checkpointed_by_test, saved_bytes_ind
 pytestmark = [pytest.mark.stage2, pytest.mark.hidden]
 
 
+@pytest.mark.builds("grad-scaler")
 @pytest.mark.points(1)
 def test_hidden_scaler_fp32_rounding_and_overflow(worker) -> None:
     """GradScaler's scale lives in fp32: growth by 3 rounds to fp32 each time, and growth that would
