@@ -476,6 +476,7 @@ def test_take_shard_pads_the_last_ranks(worker) -> None:
     for r, shard in enumerate(shards):
         assert_equal(tuple(shard.shape), (22, 3), name=f"take_shard of a (64, 3) tensor, rank {r} of 3: shape "
                      "(⌈64/3⌉ = 22 rows each)", section="handout 05b §1")
+    # Shards are copies of rows and padding is zeros: exact, no arithmetic.
     assert_close(torch.cat(shards)[:64], full, name="the 3 shards concatenated, first 64 rows",
                  section="handout 05b §1", rtol=0, atol=0)
     assert_close(shards[2][20:], torch.zeros(2, 3), name="rank 2's last two rows (padding)", section="handout 05b §1",
@@ -486,6 +487,7 @@ def test_take_shard_pads_the_last_ranks(worker) -> None:
         "take_shard must return a new tensor, not a view: the full tensor has to be freeable. See handout 05b §1.")
 
 
+@pytest.mark.builds("torch-fsdp")
 @pytest.mark.points(3)
 def test_construction_shards_and_agrees(two_ranks) -> None:
     results = two_ranks.values("construction")
@@ -499,6 +501,7 @@ def test_construction_shards_and_agrees(two_ranks) -> None:
             shape = tuple(p.shape) if name in replicated else expected_shard_shape(tuple(p.shape), 2)
             assert_equal(r["shards"][name], (shape, torch.float32), name=f"rank {rank}: (shape, dtype) of "
                          f"fsdp.module.{name} between steps", section="handout 05b §2")
+        # Broadcast, shard, all-gather: copies of bits, no arithmetic, so bit for bit (compare without a bound).
         compare(r["gathered"], snapshot(source), f"rank {rank}: gather_full_params() after construction, ranks "
                 "having started from different weights (rank 0's must win)", "handout 05b §2")
         compare(r["state_dict"], {**source.state_dict(), "calib": torch.zeros(3)}, f"rank {rank}: state_dict() "
@@ -506,6 +509,7 @@ def test_construction_shards_and_agrees(two_ranks) -> None:
                 "handout 05b §2, §6")
 
 
+@pytest.mark.builds("torch-fsdp")
 @pytest.mark.points(1)
 def test_fsdp_bad_inputs_raise_clear_errors(two_ranks) -> None:
     two_ranks.values("construction")  # FSDP must work before its errors are graded
@@ -526,6 +530,7 @@ def test_fsdp_bad_inputs_raise_clear_errors(two_ranks) -> None:
 # ----------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.builds("torch-fsdp")
 @pytest.mark.points(5)
 def test_fp32_matches_single_process_bit_for_bit_at_two_ranks(two_ranks) -> None:
     """Each rank's forward and backward are the single process's on the same rows, bit for bit; the
@@ -537,6 +542,7 @@ def test_fp32_matches_single_process_bit_for_bit_at_two_ranks(two_ranks) -> None
                     "handout 05b §5")
 
 
+@pytest.mark.builds("torch-fsdp")
 @pytest.mark.points(3)
 def test_fp32_matches_at_three_ranks_uneven_shards(three_ranks) -> None:
     """Three fp32 numbers can be summed in another order (the reduce-scatter's), so the bound of
@@ -547,6 +553,7 @@ def test_fp32_matches_at_three_ranks_uneven_shards(three_ranks) -> None:
                     "training averaging the ranks' gradients", "handout 05b §5", bound=ref["order_bound"])
 
 
+@pytest.mark.builds("torch-fsdp")
 @pytest.mark.points(2)
 def test_sgd_matches_whole_batch_training(two_ranks, three_ranks) -> None:
     """Against the ground truth: one process, the whole batch. SGD only: its update is linear in the
@@ -559,6 +566,7 @@ def test_sgd_matches_whole_batch_training(two_ranks, three_ranks) -> None:
                             "the whole batch", "handout 05b §5", bound=ref["whole_bound"])
 
 
+@pytest.mark.builds("torch-fsdp")
 @pytest.mark.points(4)
 def test_mixed_precision_matches_the_same_casts(two_ranks) -> None:
     """compute_dtype bf16/fp16: the single process casts the units' weights the same way. Bit for bit
@@ -582,6 +590,7 @@ def test_mixed_precision_matches_the_same_casts(two_ranks) -> None:
 # ----------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.builds("torch-fsdp")
 @pytest.mark.points(3)
 def test_gathered_units_never_exceed_prefetch_plus_one(two_ranks, three_ranks) -> None:
     for world, checks in ((2, two_ranks), (3, three_ranks)):
@@ -598,6 +607,7 @@ def test_gathered_units_never_exceed_prefetch_plus_one(two_ranks, three_ranks) -
                     "alive. See handout 05b §3.")
 
 
+@pytest.mark.builds("torch-fsdp")
 @pytest.mark.points(1)
 def test_reduce_scatters_keep_at_most_two_gradients_in_flight(two_ranks, three_ranks) -> None:
     """A pending reduce-scatter holds its unit's whole padded fp32 gradient; the storages handed to reduce-scatters
@@ -621,6 +631,7 @@ def test_reduce_scatters_keep_at_most_two_gradients_in_flight(two_ranks, three_r
                     "(wait, give the shards their .grad, drop its full gradient). See handout 05b §5.")
 
 
+@pytest.mark.builds("torch-fsdp")
 @pytest.mark.points(2)
 def test_bytes_held_between_steps_are_the_shards(two_ranks, three_ranks, worker) -> None:
     for world, checks, kind in ((2, two_ranks, "transformer"), (3, three_ranks, "toy")):
@@ -669,6 +680,7 @@ def test_bytes_held_between_steps_are_the_shards(two_ranks, three_ranks, worker)
 # ----------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.builds("torch-fsdp")
 @pytest.mark.points(2)
 def test_subgroup_not_starting_at_rank_zero(three_ranks) -> None:
     results = three_ranks.values("subgroup")
@@ -678,6 +690,7 @@ def test_subgroup_not_starting_at_rank_zero(three_ranks) -> None:
         compare(results[rank]["fsdp"], reference["same"], f"global rank {rank}, FSDP over group {SUBGROUP} "
                 "(ranks started from different weights; group rank 0 = global rank 1 is the source) vs single-process "
                 "training at 2 ranks", "handout 05b §2")
+        # 2 ranks average exactly (a + b = b + a, /2 exact), so bit for bit; the buffer is a broadcast copy.
         assert_close(results[rank]["calib"], torch.full((3,), float(SUBGROUP[0])), name=f"global rank {rank}, FSDP "
                      f"over group {SUBGROUP}: buffer calib (started as each rank's global number; the group's first "
                      f"rank, global {SUBGROUP[0]}, must win)", section="handout 05b §2", rtol=0, atol=0)
@@ -716,6 +729,7 @@ def _events_between(events: list[Event], start: str, end: str) -> list[tuple[int
     return [(i, e) for i, e in enumerate(events) if first < i < last]
 
 
+@pytest.mark.builds("torch-fsdp")
 @pytest.mark.points(3)
 def test_collectives_per_step_match_the_accounting(two_ranks, worker) -> None:
     units, shard, replicated, world = transformer_layout(2)
@@ -777,6 +791,7 @@ def prefetch_steps(two_ranks: Members) -> list[tuple[int, str, int, list[Event],
     return out
 
 
+@pytest.mark.builds("torch-fsdp")
 @pytest.mark.points(3)
 def test_prefetch_overlaps_the_forward(two_ranks) -> None:
     """Judged against each unit's own computation ("fwd compute": its first matrix product or lookup, observed
@@ -817,6 +832,7 @@ def test_prefetch_overlaps_the_forward(two_ranks) -> None:
                 f"computed with its weights: {context(step, ag, before)}. See handout 05b §3.")
 
 
+@pytest.mark.builds("torch-fsdp")
 @pytest.mark.points(2)
 def test_backward_prefetch_and_reduce_scatter_order(two_ranks) -> None:
     """In the backward (units in reverse order) with prefetch ≥ 1, the next unit's gather is issued before the
@@ -861,6 +877,7 @@ def test_backward_prefetch_and_reduce_scatter_order(two_ranks) -> None:
                 f"{context(step, min(ag, rs) - 2, max(ag, rs) + 1)}. See handout 05b §4.")
 
 
+@pytest.mark.builds("torch-fsdp")
 @pytest.mark.points(1)
 def test_replicated_gradients_identical_on_every_rank(two_ranks) -> None:
     for name in (n for n in COMM_CONFIGS if "/fp32/" in n):  # a bf16-only mistake is for Problems 5.15 and 5.17
@@ -868,11 +885,14 @@ def test_replicated_gradients_identical_on_every_rank(two_ranks) -> None:
         _, replicated = default_units(make_model("transformer"))
         assert_equal(sorted(grads[0]), sorted(replicated), name=f"{name}: replicated parameters with a gradient",
                      section="handout 05b §5")
+        # Whatever its summation order, an all-reduce hands every rank the same bits, and each rank then divides
+        # them by the same world size: rank 1's gradient equals rank 0's exactly.
         for n in replicated:
             assert_close(grads[1][n], grads[0][n], name=f"{name}: {n}.grad on rank 1 vs rank 0 (all-reduced and "
                          "averaged)", section="handout 05b §5", rtol=0, atol=0)
 
 
+@pytest.mark.builds("torch-fsdp")
 @pytest.mark.points(2)
 def test_no_sync_defers_reduction(two_ranks) -> None:
     """A step of two micro-batches, the first inside no_sync, after a no_sync() block left by an exception."""
@@ -894,11 +914,13 @@ def test_no_sync_defers_reduction(two_ranks) -> None:
         assert_equal((sum(e.op == "reduce_scatter" for e in second), sum(e.op == "all_reduce" for e in second)),
                      (len(units), len(replicated)), name=f"rank {rank}: (reduce-scatters, all-reduces) of the "
                      "synchronising micro-batch", section="handout 05b §6")
+        # Bit for bit: autograd adds the micro-batches' gradients as the reference does, and 2 ranks average exactly.
         compare(r["fsdp"], no_sync_reference(2), f"rank {rank}: after a step of two micro-batches (the first in "
                 "no_sync) vs one process adding the micro-batches' gradients and averaging the ranks'",
                 "handout 05b §6")
 
 
+@pytest.mark.builds("torch-fsdp")
 @pytest.mark.points(1)
 def test_load_state_dict_keeps_each_ranks_shard(three_ranks) -> None:
     """A plain model's full state dict loaded into an FSDP built from other weights, over 3 ranks and over ranks
@@ -920,7 +942,7 @@ def test_load_state_dict_keeps_each_ranks_shard(three_ranks) -> None:
             assert_equal(sorted(r["shards"]), sorted(full), name=f"{where}: parameter names after load_state_dict",
                          section="handout 05b §6")
             for name, tensor in full.items():
-                if name in replicated:
+                if name in replicated:  # loading copies rows (and zero padding): exact, here and below
                     assert_close(r["shards"][name], tensor, name=f"{where}: replicated {name} right after "
                                  "load_state_dict (the whole tensor)", section="handout 05b §6", rtol=0, atol=0)
                     continue

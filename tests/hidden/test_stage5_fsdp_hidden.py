@@ -62,6 +62,7 @@ def torch_fully_shard_runs(runs: list[tuple[str, str, torch.dtype | None]]) -> d
 ranks = spawned_checks(hidden_checks, 3, timeout=300.0)
 
 
+@pytest.mark.builds("torch-fsdp")
 @pytest.mark.points(2)
 def test_hidden_matches_torch_fully_shard(ranks) -> None:
     """Both runs reduce 3 fp32 numbers in some order: each is within 4× the order bound of the single
@@ -77,6 +78,7 @@ def test_hidden_matches_torch_fully_shard(ranks) -> None:
                     "reduce_dtype=fp32)", "handout 05b §9", bound=bound)
 
 
+@pytest.mark.builds("torch-fsdp")
 @pytest.mark.points(2)
 def test_hidden_resume_at_three_ranks_from_two(ranks) -> None:
     results: list[dict[str, Any]] = ranks.values("resume")
@@ -86,6 +88,8 @@ def test_hidden_resume_at_three_ranks_from_two(ranks) -> None:
     for rank, r in enumerate(results):
         assert_equal(r["state_keys"], plain_keys, name=f"rank {rank}: keys of FSDP.state_dict() (the plain "
                      "model's, no 'module.' prefix)", section="handout 05b §6")
+        # Up to the save, 2 ranks average exactly and a checkpoint copies bits: bit for bit. After it, 3 ranks may
+        # sum in another order: the order bound, derived in tests/support/fsdp.py (DriftBound).
         if rank == 0:
             compare(r["saved"], at_save, f"the checkpoint after {SAVE_AT} steps at 2 ranks (full tensors)",
                     "handout 05b §6")

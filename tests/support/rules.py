@@ -54,8 +54,9 @@ def judge(key: str) -> Callable[[Judge], Judge]:
 
 def message(rule: library_rules.Rule, violations: list[dict], static: list[str]) -> str:
     """The teaching message for a broken rule."""
-    lines = [f"Rule ({rule.section}): you build {rule.builds} yourself; {rule.library} does that work, so "
-             "calling it, wrapping it or subclassing it earns none of its points. What your code did:"]
+    lines = [f"Rule ({rule.section}): you build {rule.builds} yourself. PyTorch's own implementation ({rule.library}) "
+             "passes every behaviour test, so code that calls it, wraps it or subclasses it earns none of those "
+             "points. What your code did:"]
     lines += [library_rules.describe_one(v, rule) for v in violations]
     lines += [f"  - {finding} (read from your source)" for finding in static]
     lines.append(f"Still allowed: {rule.allowed}.")
