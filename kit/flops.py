@@ -42,7 +42,9 @@ from .model import ModelConfig
 #         power limit: the GB200 row. The B200's plain-fp32 figure differs between revisions of the data
 #         sheet (75–80 TFLOP/s), so it is left out: fp32 MFU on a B200 is not reported.
 #   GB200: NVIDIA GB200 NVL72 data sheet, per GPU (÷ 72).
-#   A100 (SXM4) and A100 PCIe, L4, L40S, RTX 4090, V100: their data sheets (RTX 4090: fp32 accumulation).
+#   A100 (SXM4) and A100 PCIe, L4, L40S, RTX 4090, V100: their data sheets (RTX 4090: fp32 accumulation). The
+#         A100 rows are the 80 GB parts (HBM2e: 2,039 GB/s SXM4, 1,935 GB/s PCIe); the 40 GB parts (HBM2) have the
+#         same peaks and 1,555 GB/s, both forms (NVIDIA A100 Tensor Core GPU data sheet): rows of their own.
 PEAK_FLOPS: dict[str, dict[str, float]] = {
     "GB200": {"bf16": 2.5e15, "fp16": 2.5e15, "fp8": 5e15, "fp32": 90e12},
     "B200": {"bf16": 2.25e15, "fp16": 2.25e15, "fp8": 4.5e15},
@@ -53,6 +55,8 @@ PEAK_FLOPS: dict[str, dict[str, float]] = {
     "H100": {"bf16": 989e12, "fp16": 989e12, "fp8": 1979e12, "fp32": 67e12},  # SXM
     "A100": {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12},  # SXM4
     "A100 PCIe": {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12},
+    "A100 40GB": {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12},  # SXM4
+    "A100 PCIe 40GB": {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12},
     "L40S": {"bf16": 362e12, "fp16": 362e12, "fp8": 733e12, "fp32": 91.6e12},
     "L4": {"bf16": 121e12, "fp16": 121e12, "fp8": 242e12, "fp32": 30e12},
     "RTX 4090": {"bf16": 165e12, "fp16": 165e12, "fp32": 82.6e12},
@@ -61,8 +65,8 @@ PEAK_FLOPS: dict[str, dict[str, float]] = {
 }
 HBM_BANDWIDTH: dict[str, float] = {
     "GB200": 8e12, "B200": 8e12, "H200 NVL": 4.8e12, "H200": 4.8e12, "H100 NVL": 3.9e12, "H100 PCIe": 2.0e12,
-    "H100": 3.35e12, "A100": 2.039e12, "A100 PCIe": 1.935e12, "L40S": 0.864e12, "L4": 0.3e12,
-    "RTX 4090": 1.008e12, "V100": 0.9e12, "V100 PCIe": 0.9e12,
+    "H100": 3.35e12, "A100": 2.039e12, "A100 PCIe": 1.935e12, "A100 40GB": 1.555e12, "A100 PCIe 40GB": 1.555e12,
+    "L40S": 0.864e12, "L4": 0.3e12, "RTX 4090": 1.008e12, "V100": 0.9e12, "V100 PCIe": 0.9e12,
 }
 # The names ``torch.cuda.get_device_name()`` reports, each mapped to its row above. Matching is exact: a
 # substring rule read "NVIDIA L40S" as an L4 and "NVIDIA H100 NVL" as an H100 SXM. A name missing here is an
@@ -76,9 +80,9 @@ DEVICE_NAMES: dict[str, str] = {
     "NVIDIA H100 PCIe": "H100 PCIe",
     "NVIDIA H100 80GB HBM3": "H100",
     "NVIDIA A100-SXM4-80GB": "A100",
-    "NVIDIA A100-SXM4-40GB": "A100",
+    "NVIDIA A100-SXM4-40GB": "A100 40GB",
     "NVIDIA A100 80GB PCIe": "A100 PCIe",
-    "NVIDIA A100-PCIE-40GB": "A100 PCIe",
+    "NVIDIA A100-PCIE-40GB": "A100 PCIe 40GB",
     "NVIDIA L40S": "L40S",
     "NVIDIA L4": "L4",
     "NVIDIA GeForce RTX 4090": "RTX 4090",

@@ -138,6 +138,19 @@ def memory_psi_mib() -> float:
     return 4 * memory_rows()[0]["params_M"] * 1e6 / 2**20
 
 
+def optimizer_temporaries_mib(step: int) -> float:
+    """What the optimizer phase's peak holds beyond the parameters (4Ψ), AdamW's state, the gradients and the
+    inputs, MiB: torch's per-tensor AdamW temporaries, whatever category the profiler filed them under."""
+    r = memory_row(step, "optimizer_step")
+    return r["total_MiB"] - memory_psi_mib() - r["optimizer_state_MiB"] - r["gradient_MiB"] - r["input_MiB"]
+
+
+def largest_tensor_mib() -> float:
+    """The profiled model's largest parameter tensors, the LM head and the embedding (vocab × d_model fp32), MiB."""
+    cfg = model.get_config(memory_rows()[0]["preset"])
+    return cfg.vocab_size * cfg.d_model * 4 / 2**20
+
+
 def memory_estimate_mib() -> float:
     """Stage 2's saved-activation estimate for bench_memory's configuration (fp32, CPU), MiB."""
     r = memory_rows()[0]

@@ -119,4 +119,6 @@ def tp_mlp(n: int = 4096, d: int = 8192, f_mult: int = 4, t: int = 8, c: int = 2
     ar = 2 * (t - 1) / t * size / beta
     peak = h100_bf16() * mfu
     return {"fwd_flops": fwd, "bwd_flops": 2 * fwd, "allreduce_bytes": size, "allreduce_s": ar,
-            "fwd_s": fwd / peak, "bwd_s": 2 * fwd / peak, "share": 2 * ar / (3 * fwd / peak)}
+            "fwd_s": fwd / peak, "bwd_s": 2 * fwd / peak, "share": 2 * ar / (3 * fwd / peak),
+            # Sequence parallelism: a reduce-scatter or an all-gather of S bytes sends (t − 1)/t·S per rank.
+            "half_s": (t - 1) / t * size / beta, "t": t}

@@ -2,7 +2,8 @@
 
 The task's shape is CS336's (issue 30); the parameter count comes from the kit's TransformerLM built on the meta
 device; the naive loss's bytes per logit are measured on the reference (``peak_memory_bytes`` at a small size);
-the tile sizes are the reference's ``GPU_BLOCKS``; peaks and bandwidths come from ``kit.flops``.
+the tile sizes are the reference's ``GPU_BLOCKS``; peaks and bandwidths come from ``kit.flops``; the whole step's
+FLOPs from ``kit.flops.transformer_flops`` (the kit's convention: non-embedding parameters, causal attention).
 """
 
 from __future__ import annotations
@@ -15,6 +16,9 @@ from reference.whole_step import fused_cross_entropy as fce
 TOKENS, VOCAB, D_MODEL, D_FF, LAYERS, HEADS, CONTEXT = 2 * 32_768, 151_936, 4096, 11_008, 34, 32, 32_768
 GPUS = 2
 H100_SMS, H100_L2_MB = 132, 50  # streaming multiprocessors and L2 cache of an H100 SXM (NVIDIA's data sheet)
+# The H100's L2 bandwidth: NVIDIA publishes none. Third-party microbenchmarks report roughly 5.5 TB/s (an H100 PCIe,
+# 114 SMs) to ~12 TB/s (the SXM part); Problem 7.6 states this range as its assumption, and the key uses it.
+H100_L2_TBPS = (5.5, 12.0)
 
 
 def task_config() -> model.ModelConfig:
@@ -23,11 +27,13 @@ def task_config() -> model.ModelConfig:
                             num_layers=LAYERS, num_heads=HEADS)
 
 
-def params() -> int:
-    """Parameters of the 8B task's TransformerLM (embedding and LM head included), counted on the meta device."""
+def params(embedding: bool = True) -> int:
+    """Parameters of the 8B task's TransformerLM (LM head included; the token embedding too unless
+    ``embedding=False``, the convention of kit.flops), counted on the meta device."""
     with torch.device("meta"):
         m = model.TransformerLM(task_config())
-    return sum(p.numel() for p in m.parameters())
+    total = sum(p.numel() for p in m.parameters())
+    return total if embedding else total - m.token_embeddings.weight.numel()
 
 
 def logits() -> int:
@@ -84,7 +90,20 @@ def lm_head_flops(design: str) -> float:
 
 
 def step_flops() -> float:
-    """The whole step's ≈ 6·P·N matmul FLOPs (attention's score FLOPs left out)."""
+    """The whole train step's model FLOPs in the kit's convention (kit.flops.transformer_flops): 6·P·N for the
+    weights, P the non-embedding parameters (LM head included), plus 6·L·d·T·N for causal attention."""
+    return flops.transformer_flops(task_config(), TOKENS // CONTEXT, CONTEXT, "train_step")
+
+
+def attention_step_flops() -> float:
+    """The causal attention part of :func:`step_flops`: L layers × 3 (forward + backward) × kit.flops's forward."""
+    cfg = task_config()
+    return LAYERS * flops.attention_flops((TOKENS // CONTEXT) * HEADS, CONTEXT, CONTEXT, cfg.d_model // HEADS,
+                                          causal=True, mode="forward_backward")
+
+
+def naive_step_flops() -> float:
+    """6·P·N with P counting the embedding and attention left out: the estimate Problem 7.5 no longer uses."""
     return 6 * params() * TOKENS
 
 
@@ -107,6 +126,34 @@ def forward_programs() -> int:
     return -(-TOKENS // gpu_tile("BLOCK_T"))
 
 
+def h_rereads_tb() -> float:
+    """Bytes of h the forward grid reads: each program re-reads its BLOCK_T × d tile (bf16) for every vocabulary
+    tile, TB."""
+    bt, bv = gpu_tile("BLOCK_T"), gpu_tile("BLOCK_V")
+    return forward_programs() * -(-VOCAB // bv) * 2 * bt * D_MODEL / 1e12
+
+
+def forward_tile_intensity() -> float:
+    """FLOP per byte of one d-chunk of a logits tile: 2·BT·BV·BD FLOPs for (BT + BV)·BD bf16 elements loaded."""
+    bt, bv = gpu_tile("BLOCK_T"), gpu_tile("BLOCK_V")
+    return bt * bv / (bt + bv)
+
+
+def forward_compute_s(device: str = "H100") -> float:
+    """The forward's one sweep of 2NVd FLOPs at the device's dense bf16 peak, s."""
+    return 2 * TOKENS * VOCAB * D_MODEL / flops.peak_flops(device, "bf16")
+
+
+def forward_l2_s(tbps: float) -> float:
+    """The forward's W reads and h re-reads served at ``tbps`` TB/s (the L2's bandwidth), s."""
+    return (w_reads_per_program_gb() * forward_programs() / 1e3 + h_rereads_tb()) / tbps
+
+
+def h_tiles_in_flight_mb(sms: int = H100_SMS) -> float:
+    """bf16 h tiles (BLOCK_T × d) of the forward programs resident at once (one per SM), MB."""
+    return sms * 2 * gpu_tile("BLOCK_T") * D_MODEL / 1e6
+
+
 def dh_accumulator_traffic_tb() -> float:
     """Bytes the dH kernel moves through its fp32 accumulators at the task's size (read + write of BLOCK_T × d per
     vocabulary tile per program), TB."""
@@ -127,7 +174,9 @@ def accumulators_in_flight_mb(sms: int = H100_SMS) -> float:
     return sms * 4 * gpu_tile("BLOCK_T") * D_MODEL / 1e6
 
 
-def split_d_recompute(d: int, block_d: int = 64) -> float:
+def split_d_recompute(d: int, block_d: int | None = None) -> float:
     """Backward matmul sweeps (units of 2NVd) of the register-accumulator design: each of its two kernels
-    recomputes the logits once per chunk of d, plus its own gradient matmul."""
+    recomputes the logits once per chunk of d, plus its own gradient matmul. ``block_d`` defaults to the
+    reference's bf16 GPU tile (``GPU_BLOCKS``), the one Problem 7.6 names."""
+    block_d = block_d or gpu_tile("BLOCK_D")
     return 2 * (-(-d // block_d)) + 2

@@ -52,12 +52,41 @@ def model_8b() -> TransformerLM:
         return TransformerLM(TASKS["gpu2-8b"].model)
 
 
-def params_8b() -> int:
-    return sum(p.numel() for p in model_8b().parameters())
+def params_8b(embedding: bool = True) -> int:
+    """The 8 B task's parameters (``embedding=False``: without the token embedding, kit.flops's N)."""
+    m = model_8b()
+    total = sum(p.numel() for p in m.parameters())
+    return total if embedding else total - m.token_embeddings.weight.numel()
 
 
 def tensors_8b() -> int:
     return len(list(model_8b().parameters()))
+
+
+# PyTorch's multi-tensor apply (aten/src/ATen/native/cuda/MultiTensorApply.cuh): a launch covers at most
+# MTA_MAX_BLOCKS blocks of MTA_CHUNK elements (4 KB of kernel arguments; 2,240 blocks with the 32 KB arguments of
+# CUDA ≥ 12.1 and a driver that allows them) and MTA_MAX_TENSORS[depth − 1] tensors (4 KB: 110, 64, 48, 36, 30 for
+# 1 … 5 tensor lists; ×7 with 32 KB).
+MTA_CHUNK = 65_536
+MTA_MAX_BLOCKS = {"4 KB": 320, "32 KB": 2_240}
+MTA_MAX_TENSORS = {"4 KB": (110, 64, 48, 36, 30), "32 KB": (770, 448, 336, 252, 210)}
+
+
+def foreach_launches(args: str = "4 KB", depth: int = 1) -> int:
+    """Kernel launches of one ``_foreach`` operation over the 8 B model's parameters on CUDA: multi_tensor_apply's
+    loop, which launches when the blocks or the tensors of a launch are full, and once more for what is left."""
+    max_blocks, max_tensors = MTA_MAX_BLOCKS[args], MTA_MAX_TENSORS[args][depth - 1]
+    launches = blocks = tensors = 0
+    for p in model_8b().parameters():
+        tensors += 1
+        chunks = -(-p.numel() // MTA_CHUNK)
+        for chunk in range(chunks):
+            blocks += 1
+            last = chunk == chunks - 1
+            if blocks == max_blocks or (tensors == max_tensors and last):
+                launches, blocks = launches + 1, 0
+                tensors = 0 if last else 1
+    return launches + (blocks > 0)
 
 
 def optimizer_ms(bytes_per_param: int, bandwidth: float = 3.35e12) -> float:
@@ -99,10 +128,18 @@ def logits_gb(dtype_bytes: int) -> float:
     return 32_768 * model.vocab_size * dtype_bytes / 1e9
 
 
-def step_seconds(mfu: float = 0.4, gpus: int = 2, peak: float = 2.25e15) -> float:
+def step_seconds(mfu: float = 0.4, gpus: int = 2, peak: float = 2.25e15, embedding: bool = False) -> float:
+    """The 8 B step at ``mfu`` of ``gpus`` × ``peak`` in the kit's FLOP convention; ``embedding=True`` counts the
+    embedding's parameters in N too (the wrong answer the key names)."""
     task = TASKS["gpu2-8b"]
-    total = flops.transformer_flops(task.model, task.batch, task.model.context_length, "train_step")
+    total = flops.transformer_flops(task.model, task.batch, task.model.context_length, "train_step",
+                                    num_params=params_8b(embedding=embedding))
     return total / (gpus * peak * mfu)
+
+
+def step_row(config: str) -> dict:
+    """A row of the committed ``bench_step`` table (one process, one thread)."""
+    return next(r for r in answers.results("bench_step")["rows"] if r["config"] == config)
 
 
 def baseline(name: str) -> dict:

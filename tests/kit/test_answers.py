@@ -460,3 +460,296 @@ def test_tp_backward_key_counts_bytes_and_flops(rendered):
     assert f"{n * d * c / 2**20:.0f} MiB (bf16)" in section and f"{allreduce * 1e3:.2f} ms on NVLink" in section
     assert f"**{2 * allreduce / compute * 100:.0f} %**" in section
     assert "dX = Σ_r dH_r · A_rᵀ — one all-reduce" in section
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Issue 42: the second derivation of chapters 07/07b and the changed problems. Each figure is recomputed here from
+# first principles (the task's shape, the data sheets' peaks, the kit's tiles read from the reference) and compared
+# with the rendered key; the handout must state the assumption that decides it.
+# ------------------------------------------------------------------------------------------------------------------
+
+def _problem_text(chapter: str, number: str) -> str:
+    """The handout's text of one problem, from its heading to the next heading, whitespace collapsed."""
+    import re
+
+    text = (answers.ROOT / "handout" / chapter).read_text()
+    start = re.search(rf"^### Problem {re.escape(number)} .*$", text, re.M)
+    assert start, f"{chapter} has no Problem {number}"
+    end = re.search(r"^#{2,3} ", text[start.end():], re.M)
+    return " ".join(text[start.start():start.end() + (end.start() if end else len(text))].split())
+
+
+# The 8B task of chapters 07 and 07b (CS336's): d, d_ff, layers, heads, vocabulary, context, sequences.
+_D, _DFF, _L, _H, _V, _T, _B = 4096, 11_008, 34, 32, 151_936, 32_768, 2
+_TOKENS = _B * _T
+_H100_BF16, _H100_HBM = 989e12, 3.35e12  # H100 SXM data sheet: dense bf16, HBM3
+
+
+def _task_8b_flops() -> dict[str, float]:
+    """The 8B step's model FLOPs by hand: 6·P per token for the weights (P without the embedding, the LM head in),
+    6·L·d·T per token for causal attention; one sweep of the LM head is 2·N·V·d."""
+    p_body = _L * (4 * _D * _D + 3 * _D * _DFF + 2 * _D) + _D
+    p_ne, p_all = p_body + _V * _D, p_body + 2 * _V * _D
+    weights, attention = 6 * p_ne * _TOKENS, 6 * _L * _D * _T * _TOKENS
+    return {"p_ne": p_ne, "p_all": p_all, "weights": weights, "attention": attention, "step": weights + attention,
+            "sweep": 2 * _TOKENS * _V * _D}
+
+
+def test_the_8b_task_is_the_leaderboards():
+    """The shape the tests below use is the kit's gpu2-8b task, and its parameter count the meta-device model's."""
+    import torch
+
+    from kit.leaderboard import TASKS
+    from kit.model import TransformerLM
+
+    task = TASKS["gpu2-8b"]
+    cfg = task.model
+    assert (cfg.d_model, cfg.d_ff, cfg.num_layers, cfg.num_heads, cfg.vocab_size) == (_D, _DFF, _L, _H, _V)
+    assert (task.batch, cfg.context_length) == (_B, _T)
+    with torch.device("meta"):
+        m = TransformerLM(cfg)
+    assert sum(p.numel() for p in m.parameters()) == _task_8b_flops()["p_all"]
+
+
+def test_lm_head_share_counts_attention_and_not_the_embedding(rendered):
+    """7.5(2): in the kit's convention the step is 4.74 PFLOP at T = 32,768 (attention 38 %), not 6·P·N = 3.20 with
+    the embedding in P; the LM head is 5.2 % of it naive (3 sweeps) and 8.6 % fused (5)."""
+    f = _task_8b_flops()
+    section = " ".join(_section(rendered, "ch07", "7.5").split())
+    assert f"**{f['step'] / 1e15:.2f} PFLOP**" in section
+    assert f"**{100 * f['attention'] / f['step']:.0f} % of the step**" in section
+    assert f"**{100 * 3 * f['sweep'] / f['step']:.1f} %** of it naive" in section
+    assert f"**{100 * 5 * f['sweep'] / f['step']:.1f} %** fused" in section
+    assert f"P = {f['p_ne']:,} non-embedding parameters" in section
+    assert (round(f["step"] / 1e15, 2), round(100 * 3 * f["sweep"] / f["step"], 1)) == (4.74, 5.2)
+    question = _problem_text("07-fused-loss.md", "7.5")
+    assert "*non-embedding* parameters" in question and "6·L·d·T per token for the causal attention" in question
+    assert "≈ 6·P·N (P the parameter count)" not in question
+
+
+def _kit_tiles() -> dict[str, int]:
+    """The fused loss's bf16 GPU tiles, read from the reference (and the student copy the handout points to)."""
+    import importlib
+
+    import torch
+
+    ref = importlib.import_module("reference.whole_step.fused_cross_entropy").GPU_BLOCKS[torch.bfloat16]
+    student = importlib.import_module("student.whole_step.fused_cross_entropy").GPU_BLOCKS[torch.bfloat16]
+    assert student == ref, "the student's launch_config tiles differ from the reference's"
+    return ref
+
+
+def test_problem_7_6_states_the_kits_tiles():
+    """7.6 names its tiles; they must be the ones launch_config gives on a GPU (bf16)."""
+    import re
+
+    tiles = _kit_tiles()
+    question = _problem_text("07-fused-loss.md", "7.6")
+    stated = re.search(r"BLOCK_T = (\d+), BLOCK_V = (\d+), BLOCK_D = (\d+)", question)
+    assert stated, "7.6 must state the tile sizes it asks about"
+    assert tuple(map(int, stated.groups())) == (tiles["BLOCK_T"], tiles["BLOCK_V"], tiles["BLOCK_D"])
+    block_d = re.search(r"the kit's BLOCK_D = (\d+)", question)
+    assert block_d and int(block_d.group(1)) == tiles["BLOCK_D"], "part 3 must use the kit's BLOCK_D"
+
+
+def test_fused_loss_forward_is_l2_bound_at_the_kits_tiles(rendered):
+    """7.6(1): W is read 1.27 TB and h re-read 0.64 TB by the forward grid; the tile intensity BT·BV/(BT + BV) =
+    42.7 FLOP/B needs 23.2 TB/s to run at 989 TFLOP/s; at the 5.5–12 TB/s the question gives for L2 the forward is
+    1.9–4.2× slower than its compute."""
+    import re
+
+    tiles = _kit_tiles()
+    bt, bv = tiles["BLOCK_T"], tiles["BLOCK_V"]
+    programs, vocab_tiles = -(-_TOKENS // bt), -(-_V // bv)
+    w_bytes = programs * _V * _D * 2
+    h_bytes = programs * vocab_tiles * bt * _D * 2
+    compute = 2 * _TOKENS * _V * _D / _H100_BF16
+    intensity = 2 * _TOKENS * _V * _D / (w_bytes + h_bytes)
+    assert abs(intensity - bt * bv / (bt + bv)) < 1e-9
+    question = _problem_text("07-fused-loss.md", "7.6")
+    lo, hi = map(float, re.search(r"take ([\d.]+)–([\d.]+) TB/s", question).groups())
+    section = " ".join(_section(rendered, "ch07", "7.6").split())
+    assert f"**{w_bytes / 1e12:.2f} TB of W reads**" in section and f"**{h_bytes / 1e12:.2f} TB more**" in section
+    assert f"**{intensity:.1f} FLOP/B**" in section and f"**{_H100_BF16 / intensity / 1e12:.1f} TB/s**" in section
+    slow = (w_bytes + h_bytes) / (hi * 1e12) / compute, (w_bytes + h_bytes) / (lo * 1e12) / compute
+    assert f"**L2-bound by {slow[0]:.1f}–{slow[1]:.1f}×**" in section and slow[0] > 1
+    assert "What saves it is the L2 cache" not in section
+
+
+def test_split_d_sweeps_use_the_kits_block_d(rendered):
+    """7.6(3): 2·⌈d/BLOCK_D⌉ + 2 backward sweeps with the kit's BLOCK_D = 32: 6 at d = 64, 258 at d = 4096."""
+    block_d = _kit_tiles()["BLOCK_D"]
+    sweeps = {d: 2 * -(-d // block_d) + 2 for d in (64, 4096)}
+    section = " ".join(_section(rendered, "ch07", "7.6").split())
+    assert f"the kit's BLOCK_D = {block_d}" in section
+    assert f"at d = 64, **{sweeps[64]} sweeps**" in section and f"d = 4096, **{sweeps[4096]} sweeps**" in section
+
+
+def test_foreach_is_not_one_launch_per_operation(rendered):
+    """7.10 and 07b §4: PyTorch's multi_tensor_apply (MultiTensorApply.cuh) launches at most 320 blocks of 65,536
+    elements and 30–110 tensors (2,240 blocks and 210–770 tensors with CUDA ≥ 12.1's 32 KB arguments). If the tensor
+    cap never binds, launch k covers chunks [k·B, (k + 1)·B): for the 8 B model none of those windows holds as many
+    tensors as the smallest cap, so by induction ⌈chunks/B⌉ launches per operation."""
+    import math
+
+    import torch
+
+    from kit.leaderboard import TASKS
+    from kit.model import TransformerLM
+
+    with torch.device("meta"):
+        sizes = [p.numel() for p in TransformerLM(TASKS["gpu2-8b"].model).parameters()]
+    owner = [i for i, n in enumerate(sizes) for _ in range(math.ceil(n / 65_536))]  # the tensor of each chunk
+    for blocks, fewest_tensors in ((320, 30), (2_240, 210)):
+        most = max(len(set(owner[k:k + blocks])) for k in range(0, len(owner), blocks))
+        assert most < fewest_tensors, f"the tensor cap would bind at {blocks} blocks"
+    launches = {blocks: math.ceil(len(owner) / blocks) for blocks in (320, 2_240)}
+    section = " ".join(_section(rendered, "ch07b", "7.10").split())
+    assert f"{launches[320]} launches here, {8 * launches[320]:,} per step" in section
+    assert f"{launches[2_240]} per operation ({8 * launches[2_240]} per step)" in section
+    assert f"= {8 * len(sizes):,} launches per step" in section and "8 per chunk of tensors" not in section
+    handout = " ".join((answers.ROOT / "handout" / "07b-whole-step.md").read_text().split())
+    assert f"about {launches[320]} ({launches[2_240]} with the larger arguments)" in handout
+    assert "one multi-tensor-apply kernel launch per operation" not in handout
+
+
+def test_bf16_cpu_speed_is_read_from_the_table(rendered):
+    """7.13(2): the key quotes the committed bench_step's bf16 rows, and calls bf16 faster only on a CPU with bf16
+    units (the table's machine line), where those rows are below 1."""
+    import json
+
+    data = json.loads((answers.ROOT / "benchmarks" / "results" / "bench_step.json").read_text())
+    rows = {r["config"]: r for r in data["rows"]}
+    auto, weights = rows["bf16 autocast"], rows["bf16 weights + master"]
+    for r in (auto, weights):
+        assert abs(r["step_ms"] / rows["naive"]["step_ms"] - r["vs_naive"]) < 1e-3
+    section = " ".join(_section(rendered, "ch07b", "7.13").split())
+    assert f"autocast {auto['vs_naive']:.2f}× and bf16 weights {weights['vs_naive']:.2f}×" in section
+    assert "native_bf16: yes" in (answers.ROOT / "benchmarks" / "results" / "bench_step.md").read_text()
+    assert auto["vs_naive"] < 1 and weights["vs_naive"] < 1, "the key says bf16 is faster on the committed machine"
+    assert "`bf16 units`" in _problem_text("07b-whole-step.md", "7.13")
+
+
+def test_8b_step_time_leaves_the_embedding_out(rendered):
+    """7.14(3) and 07b §6: at 40 % MFU on two B200s (2.25 PFLOP/s each) the step is 2.64 s with the kit's N
+    (no embedding); 2.77 s with the embedding counted is the wrong answer the key names."""
+    f = _task_8b_flops()
+    rate = 2 * 2.25e15 * 0.4
+    section = " ".join(_section(rendered, "ch07b", "7.14").split())
+    assert f"**{f['step'] / rate:.2f} s**" in section and round(f["step"] / rate, 2) == 2.64
+    assert f"counting the embedding in N ({(6 * f['p_all'] * _TOKENS + f['attention']) / rate:.2f} s" in section
+    handout = " ".join((answers.ROOT / "handout" / "07b-whole-step.md").read_text().split())
+    assert "N the non-embedding parameters with the LM head included" in handout
+
+
+def test_causal_grid_crosses_the_ridge_at_twice_the_length(rendered):
+    """3.6(b): with K and V read from HBM once, a causal forward does 2N²D FLOPs per 4·N·D·c bytes, N/(2c) FLOP/byte:
+    an H100 (989 TFLOP/s, 3.35 TB/s) turns compute-bound above N ≈ 1,181 in bf16 (590 non-causal). The problem is a
+    GPU problem and says so in its heading."""
+    ridge = _H100_BF16 / _H100_HBM
+    n_causal = next(n for n in range(1, 10_000) if (2 * n * n * 64) / (4 * n * 64 * 2) >= ridge)
+    assert abs(n_causal - 4 * ridge) < 1
+    section = " ".join(_section(rendered, "ch03", "3.6").split())
+    assert f"**N ≈ 2c × ridge = {4 * ridge:.0f}**" in section and f"non-causal {2 * ridge:.0f}" in section
+    assert "**N/(2c)** causal" in section
+    handout = (answers.ROOT / "handout" / "03-flash-attention.md").read_text()
+    assert "### Problem 3.6 — Benchmark and roofline (written, GPU)" in handout
+    assert "The grid is causal" in _problem_text("03-flash-attention.md", "3.6")
+
+
+def test_optimizer_phase_extra_is_adamw_temporaries(rendered):
+    """1.10(a): the optimizer phase's peak holds 4Ψ + 8Ψ + 4Ψ, the inputs and 1 MiB more in both steps: torch's
+    per-tensor AdamW (the default on a CPU) keeps √v and √v/√(1 − β₂ᵗ) of the largest tensor (1024 × 128 fp32,
+    0.5 MiB) alive at once. Recomputed from the table, and measured here on one such tensor."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from kit import memory_timeline
+    from kit.model import get_config
+
+    rows = _results("bench_memory")
+    cfg = get_config(rows[0]["preset"])
+    psi_mib, big = 4 * _params(rows[0]["preset"]) / 2**20, cfg.vocab_size * cfg.d_model * 4 / 2**20
+    extra = {}
+    for step in (1, 2):
+        r = next(x for x in rows if x["step"] == step and x["phase"] == "optimizer_step")
+        extra[step] = r["total_MiB"] - psi_mib - r["optimizer_state_MiB"] - r["gradient_MiB"] - r["input_MiB"]
+        assert abs(extra[step] - 2 * big) < 0.01, (step, extra[step])
+    one = next(x for x in rows if x["step"] == 1 and x["phase"] == "optimizer_step")
+    two = next(x for x in rows if x["step"] == 2 and x["phase"] == "optimizer_step")
+    assert abs(one["parameter_MiB"] - psi_mib - big) < 0.01 and abs(one["activation_MiB"] - big) < 0.01
+    assert abs(two["unknown_MiB"] - 2 * big) < 0.01
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names: set[str] = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.add(func._schema.name)
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    param = torch.nn.Parameter(torch.randn(cfg.vocab_size, cfg.d_model))
+    param.grad = torch.randn_like(param)
+    opt = torch.optim.AdamW([param], lr=1e-3)
+    opt.step()  # the state exists from here on
+    with Ops() as ops:
+        opt.step()
+    assert not any("_foreach" in n for n in ops.names), "AdamW's default on a CPU is the per-tensor loop"
+    total = memory_timeline.record(opt.step).total()
+    assert abs((max(total) - total[0]) / 2**20 - 2 * big) < 0.01
+    section = " ".join(_section(rendered, "ch01", "1.10").split())
+    assert f"**{extra[2]:.2f} MiB more**" in section and "per-tensor loop" in section
+    assert "Account for every MiB of the optimizer phase's peak" in _problem_text("01-benchmarking.md", "1.10")
+
+
+def test_compile_problem_says_where_the_loss_runs_and_what_inductor_needs(rendered):
+    """1.11: bench_model computes the loss outside the compiled module (the key does not call it fused), and on a
+    CPU inductor needs the C++ compiler its config names (g++ on Linux unless CXX says otherwise)."""
+    import inspect
+    import os
+    import sys
+
+    import torch._inductor.config as inductor_config
+
+    import reference.benchmarking as benchmarking
+
+    source = inspect.getsource(benchmarking.benchmark_model)
+    assert "logits = model(inputs)" in source and "loss = cross_entropy(logits, targets)" in source
+    default = "clang++" if sys.platform == "darwin" else "g++"
+    assert inductor_config.cpp.cxx[-1] == os.environ.get("CXX", default)
+    handout = " ".join((answers.ROOT / "handout" / "01-benchmarking.md").read_text().split())
+    assert "runs eager outside the compiled module" in handout and "`InvalidCxxCompiler`" in handout
+    section = " ".join(_section(rendered, "ch01", "1.11").split())
+    assert "the loss's log-softmax — each" not in section and "Not the loss" in section
+
+
+def test_sequence_parallel_bytes_depend_on_regathering_x(rendered):
+    """6.13(4): a reduce-scatter or all-gather of S = n·d·c sends (t − 1)/t·S per rank (0.13 ms at n = 4096,
+    d = 8192, bf16, t = 8, 450 GB/s); keeping the gathered X, four per layer move what two all-reduces move; gathering
+    X again in the backward (Megatron-LM) adds a fifth: 5/4 of the bytes, for S·(1 − 1/t) less stored."""
+    n, d, t, c, beta = 4096, 8192, 8, 2, 450e9
+    size = n * d * c
+    half = (t - 1) / t * size / beta
+    section = " ".join(_section(rendered, "ch06", "6.13").split())
+    assert f"rank ({half * 1e3:.2f} ms here)" in section and f"four collectives, {4 * half * 1e3:.2f} ms" in section
+    assert f"**{5 / 4:.2f}× the bytes** (+{half * 1e3:.2f} ms per layer)" in section
+    assert f"{(1 - 1 / t) * size / 2**20:.0f} MiB less stored" in section
+    assert "gathering it again in the backward" in _problem_text("06-4d-parallelism.md", "6.13")
+
+
+def test_rmsnorm_saves_an_fp32_input_so_logits_are_not_the_only_upcast():
+    """07 §1: the kit's RMSNorm saves its bf16 input in fp32 for the backward; the handout no longer calls the
+    logits the only activation upcast to fp32."""
+    import torch
+
+    from kit.model import RMSNorm
+
+    saved = []
+    x = torch.randn(8, 64, dtype=torch.bfloat16, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        RMSNorm(64)(x)
+    assert any(t.dtype == torch.float32 and t.shape == x.shape for t in saved)
+    text = " ".join((answers.ROOT / "handout" / "07-fused-loss.md").read_text().split())
+    assert "only activation upcast to fp32" not in text and "RMSNorm computes in fp32" in text
