@@ -262,6 +262,40 @@ def _training_rank(kind: str, steps: int) -> dict:
     return run_checks(checks)
 
 
+# The models whose collectives NaiveDDP and FlatDDP are checked on: parameters of many sizes, frozen ones, a tied one
+# and an unused one, so a frozen or gradient-less parameter all-reduced, a tied one reduced twice, or a flat buffer of
+# the wrong length shows as a wrong count or a wrong byte size.
+COMM_MODELS = ("FrozenParts", "TiedWeights", "UnusedParameter")
+
+
+def _comm_step(impl, kind: str, name: str, group, ranks: list[int]) -> dict:
+    """One synchronised step; the collectives recorded during loss.backward() and during
+    finish_gradient_synchronization(), separately."""
+    rank = dist.get_rank()
+    index, parts = ranks.index(rank), len(ranks)
+    ddp = wrap(impl, kind, build(name, seed=rank), None, group)
+    x, y = full_batch(name, 0)
+    ddp.on_train_batch_start()
+    loss = loss_fn(ddp, shard(x, index, parts), shard(y, index, parts))
+    with CommLog() as backward:
+        loss.backward()
+    with CommLog() as finish:
+        ddp.finish_gradient_synchronization()
+    return {"backward": backward.as_data(), "finish": finish.as_data()}
+
+
+def _comm_rank(kind: str) -> dict:
+    impl = kit.impl.load()
+    rank = dist.get_rank()
+    subgroup, _ = dist.new_subgroups_by_enumeration(SUBGROUPS)
+    checks: dict[str, Callable[[], dict]] = {}
+    for setting, group in zip(SETTINGS, (None, subgroup)):
+        for name in COMM_MODELS:
+            checks[f"{setting} group, {name}"] = functools.partial(_comm_step, impl, kind, name, group,
+                                                                   _group_of(setting, rank))
+    return run_checks(checks)
+
+
 class _AbortedMicroBatch(Exception):
     """Raised inside ``no_sync()`` by the no_sync test, as a failing micro-batch would."""
 
@@ -508,11 +542,15 @@ def _frozen(name: str) -> tuple[str, ...]:
 
 def check_params(rank: int, params: dict, expected: list[tuple[str, torch.Tensor]], what: str, section: str) -> None:
     """A rank's parameters (by name) against the judge's single-process ones after the same step."""
+    # SGD (lr 0.1, momentum 0.9): a gradient difference δ reaches a parameter as lr × the momentum buffer's, at most
+    # 0.1·(1 + 1.9 + 2.71)·δ ≈ 0.6·δ after 3 steps. δ is the reordering of a mean of 2–3 fp32 shard means against one
+    # full-batch mean, ≲ few·u·Σ|terms| ≈ 1e-7 at |g| ≲ 1 (u = 2⁻²⁴): rtol 1e-5 / atol 1e-6 are ≥ 10× that.
     for name, q in expected:
         assert_close(params.get(name), q, name=f"rank {rank}, {what}: parameter {name}", section=section,
                      rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.builds("torch-ddp")
 @pytest.mark.points(2)
 def test_ranks_agree_after_construction() -> None:
     """Construction broadcasts the group's first rank's parameters and buffers — frozen ones included — to every
@@ -537,7 +575,7 @@ def test_ranks_agree_after_construction() -> None:
                         raise AssertionError(
                             f"{kind} on {name} over {where}: construction raised on global rank {rank}: "
                             f"{got['built']['raised']}: {got['built']['message']}{hint}. See handout 04 §1.")
-                    for key in before[0]:
+                    for key in before[0]:  # a broadcast copies bits: exact
                         assert_close(got["state"].get(key), before[members[0]][key],
                                      name=f"{kind} on {name} over {where}: global rank {rank}'s {key} after "
                                      f"construction vs the group's first rank's (global rank {members[0]}) initial "
@@ -598,27 +636,111 @@ def _check_training_step(rank: int, name: str, got: dict, what: str) -> None:
 # wrong scale (sum, or divide by 3 instead of 2) moves every parameter by ~lr·|grad| ≈ 1e-2.
 
 
+@pytest.mark.builds("torch-ddp")
 @pytest.mark.points(3)
 def test_naive_ddp_matches_single_process() -> None:
     _check_training("naive")
 
 
+@pytest.mark.builds("torch-ddp")
 @pytest.mark.points(3)
 def test_flat_ddp_matches_single_process() -> None:
     _check_training("flat")
 
 
+@functools.cache
+def _gradient_bytes(name: str, unused_too: bool = False) -> tuple[tuple[str, int], ...]:
+    """(name, bytes) of each parameter of model ``name`` that gets a gradient in a step, computed here: the
+    parameters that require grad and that forward uses (a tied tensor once, as named_parameters lists it). With
+    ``unused_too``, every parameter that requires grad, used or not."""
+    model = build(name, seed=0)
+    loss_fn(model, *full_batch(name, 0)).backward()
+    return tuple((pname, p.numel() * p.element_size()) for pname, p in model.named_parameters()
+                 if p.grad is not None or (unused_too and p.requires_grad))
+
+
+def _check_communication(kind: str) -> None:
+    """NaiveDDP and FlatDDP communicate only in finish_gradient_synchronization: nothing during backward, then one
+    all-reduce per parameter with a gradient (naive) or one all-reduce of all of them, flattened (flat), over the
+    wrapper's process group (handout 04 §2)."""
+    ranks = SpawnedChecks(_comm_rank, TRAIN_WORLD, args=(kind,), timeout=TIMEOUT)
+    cls = {"naive": "NaiveDDP", "flat": "FlatDDP"}[kind]
+    for setting in SETTINGS:
+        for name in COMM_MODELS:
+            expected = _gradient_bytes(name)
+            sizes = ", ".join(f"{pname} {nbytes} B" for pname, nbytes in expected)
+            for rank, got in enumerate(ranks.values(f"{setting} group, {name}")):
+                members = _group_of(setting, rank)
+                what = (f"rank {rank}, {cls} on {name} over "
+                        + (f"the default group of {TRAIN_WORLD} ranks" if setting == "default"
+                           else f"the process_group of ranks {members}"))
+                backward = events_from_data(got["backward"])
+                during = [e for e in backward if e.kind == "collective"]
+                assert not during, (
+                    f"{what}: {len(during)} collective(s) were issued during loss.backward() "
+                    f"({format_events(backward)}). {cls} communicates only in finish_gradient_synchronization, after "
+                    "backward (handout 04 §2); launching all-reduces from gradient hooks is what "
+                    "DDPIndividualParameters and DDPBucketed do (§3–§4), and a wrapper of torch's "
+                    "DistributedDataParallel does it too (handout 04, What is graded).")
+                finish = events_from_data(got["finish"])
+                reduces = [e for e in finish if e.kind == "collective" and e.op == "all_reduce"]
+                if len(members) == 1 and not reduces:
+                    continue  # a one-rank group has nothing to average: skipping its all-reduces is fine
+                trace = format_events(finish) or "no collective at all"
+                wrong_group = [e for e in reduces if e.group and list(e.group) != members]
+                assert not wrong_group, (
+                    f"{what}: an all-reduce in finish_gradient_synchronization went to the group of ranks "
+                    f"{list(wrong_group[0].group)}, not the wrapper's process_group {members}: pass "
+                    f"group=self.process_group (handout 04 §1–§2). Collectives in finish: {trace}")
+                got_bytes = sorted(e.nbytes for e in reduces)
+                # Zeros sent for a trainable parameter that got no gradient (a preallocated buffer, as DDPBucketed
+                # does) cost bytes, not correctness: accepted as long as its .grad stays None (the training tests).
+                trainable = _gradient_bytes(name, unused_too=True)
+                if kind == "naive":
+                    assert got_bytes in (sorted(n for _, n in expected), sorted(n for _, n in trainable)), (
+                        f"{what}: finish_gradient_synchronization issued {len(reduces)} all-reduce(s) of "
+                        f"{got_bytes} bytes; NaiveDDP all-reduces each parameter that has a gradient once, "
+                        f"{len(expected)} here ({sizes}) — none for a frozen parameter or one whose .grad is None, "
+                        "one for a tied tensor (handout 04 §2). Collectives in finish: " + trace)
+                else:
+                    total = sum(nbytes for _, nbytes in expected)
+                    assert got_bytes in ([total], [sum(n for _, n in trainable)]), (
+                        f"{what}: finish_gradient_synchronization issued {len(reduces)} all-reduce(s) of "
+                        f"{got_bytes} bytes; FlatDDP copies every gradient into one flat buffer and all-reduces it "
+                        f"once: one all-reduce of {total} bytes ({sizes}; nothing for a frozen parameter or one "
+                        "whose .grad is None) (handout 04 §2). Collectives in finish: " + trace)
+
+
+@pytest.mark.builds("torch-ddp")
+@pytest.mark.points(1)
+def test_naive_ddp_reduces_each_gradient_after_backward() -> None:
+    """No collective during backward; in finish_gradient_synchronization one all-reduce per parameter with a
+    gradient, over the wrapper's process group."""
+    _check_communication("naive")
+
+
+@pytest.mark.builds("torch-ddp")
+@pytest.mark.points(1)
+def test_flat_ddp_reduces_one_flat_buffer_after_backward() -> None:
+    """No collective during backward; in finish_gradient_synchronization exactly one all-reduce, of every
+    gradient's bytes together, over the wrapper's process group."""
+    _check_communication("flat")
+
+
+@pytest.mark.builds("torch-ddp")
 @pytest.mark.points(3)
 def test_individual_ddp_matches_single_process() -> None:
     _check_training("individual")
 
 
+@pytest.mark.builds("torch-ddp")
 @pytest.mark.points(3)
 def test_bucketed_ddp_matches_single_process() -> None:
     """Twice: with a 0.0005 MiB cap (several buckets per model) and with bucket_size_mb=None (one bucket)."""
     _check_training("bucketed")
 
 
+@pytest.mark.builds("torch-ddp")
 @pytest.mark.points(3)
 def test_no_sync_accumulates_without_communicating() -> None:
     """Inside no_sync no collective is issued; the accumulated step equals the full-batch step; a no_sync block
@@ -704,6 +826,7 @@ def _waited_at_once(events: list[Event], grads: list[int]) -> list[tuple[int, in
     return found
 
 
+@pytest.mark.builds("torch-ddp")
 @pytest.mark.points(4)
 def test_communication_overlaps_backward() -> None:
     """In each of two steps: the first all-reduce is launched before backward produced the last gradient; one flat
@@ -765,6 +888,7 @@ def _check_overlap(what: str, events: list[Event], expected_bytes: list[int] | N
                      "per bucket, bucket 0 first)", section="handout 04 §4")
 
 
+@pytest.mark.builds("torch-ddp")
 @pytest.mark.points(2)
 def test_failing_rank_surfaces_its_error() -> None:
     """Mismatched models fail at construction naming the parameter; an exception on one rank mid-training
@@ -795,6 +919,8 @@ def test_all_reduce_benchmark(worker) -> None:
     time_all_reduce timing the slowest rank of barrier-aligned calls when ranks are deliberately delayed."""
     for size, seconds, n in BANDWIDTH_CASES:
         algbw, busbw = worker.call(_bus_bandwidth, size, seconds, n)
+        # Python floats (fp64, u = 2⁻⁵³ ≈ 1e-16): one division, then × 2(n−1)/n, a few roundings, ≲ 1e-15 relative;
+        # rtol 1e-9 allows any order of the operations, and a wrong factor (n/(n−1), 2, 10⁹ vs 2³⁰) is ≥ 7 % off.
         assert_close(torch.tensor(algbw, dtype=torch.float64), torch.tensor(size / seconds, dtype=torch.float64),
                      name=f"algbw for {size} B in {seconds} s", section="handout 04 §6", rtol=1e-9, atol=0)
         expected = torch.tensor(size / seconds * 2 * (n - 1) / n, dtype=torch.float64)
@@ -807,6 +933,8 @@ def test_all_reduce_benchmark(worker) -> None:
     for r in rows:
         assert r["time_ms"] > 0, f"time_ms must be positive, got {r['time_ms']}"
         expected = torch.tensor(r["size_bytes"] / (r["time_ms"] / 1e3) / 1e9, dtype=torch.float64)
+        # Recomputed from the reported time_ms: fp64 roundings (≲ 1e-15) plus time_ms itself if printed to 7
+        # significant digits (≤ 5e-7 relative): rtol 1e-6. A unit slip (ms vs s, 10⁹ vs 2³⁰) is ≥ 7 % off.
         assert_close(torch.tensor(r["algbw_gbps"], dtype=torch.float64), expected,
                      name=f"algbw_gbps for {r['size_bytes']} B", section="handout 04 §6", rtol=1e-6, atol=0)
     times = run_check(_delayed_time_rank, WORLD, timeout=TIMEOUT)

@@ -66,6 +66,7 @@ def _torch_ddp_rank() -> list[dict]:
     return out
 
 
+@pytest.mark.builds("torch-ddp")
 @pytest.mark.points(2)
 def test_process_group_is_respected() -> None:
     ranks = SpawnedChecks(subgroup_rank, WORLD, timeout=120)
@@ -73,12 +74,16 @@ def test_process_group_is_respected() -> None:
     for kind in KINDS:
         for rank, steps in enumerate(ranks.values(kind)):
             for step in range(SUBGROUP_STEPS):
+                # Over a one-rank group the all-reduce sums one gradient and divides by 1: exact, as training alone
+                # (rtol 1e-5 / atol 1e-6 is slack); averaging with the default group instead moves each SGD step by
+                # lr × (own − mean gradient) ≈ 1e-3 or more.
                 for name, q in expected[rank][step]:
                     assert_close(steps[step].get(name), q,
                                  name=f"rank {rank}, {kind} over a one-rank process_group, step {step + 1}: {name} "
                                  "(vs this rank training alone)", section="handout 04 §1", rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.builds("torch-ddp")
 @pytest.mark.points(2)
 def test_matches_torch_ddp_with_accumulation() -> None:
     ranks = SpawnedChecks(accumulation_rank, WORLD, timeout=120)
@@ -88,6 +93,9 @@ def test_matches_torch_ddp_with_accumulation() -> None:
         ours = ranks.values(kind)
         for step in range(ACCUMULATION_STEPS):
             for rank in range(WORLD):
+                # torch DDP divides by the world size before its sum, ours may after: δ ≈ u·(|g₀| + |g₁|) per element.
+                # An AdamW step (lr 1e-2) moves by lr·δ/√v̂ ≈ lr·few·u ≈ 1e-9 (test_stage6_mesh_4d's
+                # _adamw_step_allowance), a sign flip only where |g| ≲ δ (odds ~u per element): rtol 1e-5 / atol 1e-6.
                 for name, q in theirs[rank][step].items():
                     assert_close(ours[rank][step].get(name), q,
                                  name=f"rank {rank}, {kind} vs torch DDP, step {step + 1}: {name}",
