@@ -22,7 +22,8 @@ HAVE_REFERENCE := $(wildcard reference/__init__.py)
 export PYTHONDONTWRITEBYTECODE := 1
 
 .PHONY: help setup grade test test-reference test-kit test-cluster lint student check-student release autograder check-handout soak \
-        timings stages numerics mutants answers notebooks bench doctor clean wheelhouse gpu-check new-stage bench-loop lab leaderboard
+        timings stages numerics mutants answers notebooks bench doctor clean wheelhouse gpu-check new-stage bench-loop lab leaderboard \
+        test-clean-machine
 
 # `##` describes a target for `make help`; `##@instructor` marks one that needs reference/ (hidden in the student
 # release), `##@student` one that only the student release has.
@@ -33,7 +34,9 @@ help: ## list the targets
 
 setup: $(STAMP) ## create .venv, installing only what is missing (GPU=1 keeps your CUDA torch; WHEELS=dir: offline)
 $(STAMP): pyproject.toml constraints-cpu.txt
-	@test -x $(PY) || $(PYTHON) -m venv $(if $(GPU),--system-site-packages --without-pip) $(VENV)
+	@test -x $(PY) || { command -v $(PYTHON) >/dev/null || { echo "make setup: no $(PYTHON) here: install Python 3.11" \
+	    "or newer (README.md, Quick start; on macOS or Windows, the dev container)" >&2; exit 1; }; \
+	    $(PYTHON) -m kit.python_check && $(PYTHON) -m venv $(if $(GPU),--system-site-packages --without-pip) $(VENV); }
 	$(if $(GPU),@$(PYTHON) -m kit.bootstrap --link-site $(VENV))
 	$(PY) -m kit.bootstrap $(if $(GPU),--gpu) $(if $(WHEELS),--wheels $(WHEELS))
 	@touch $@
@@ -67,6 +70,14 @@ test-kit: setup ##@instructor only the kit's own tests (grader, release, spawn h
 
 test-cluster: setup ##@instructor sbatch the kit's SLURM script on a 2-node SLURM started here (root; apt-get install -y slurm-wlm munge; ~1 min)
 	LLMSYS_TEST_CLUSTER=1 $(PY) -m pytest tests/kit/test_cluster.py --impl reference -p no:cacheprovider -v -s
+
+# Runs on this machine's own Python (no .venv needed); root, mmdebstrap (installed when missing), ~2 GiB in /tmp.
+SUITE ?= bookworm
+QUICK ?=
+SOURCE ?=
+test-clean-machine: ##@instructor make setup + the README's two commands in a clean Debian root (SUITE=bullseye: must stop clearly; QUICK=1 or STAGE=N: one stage; SOURCE=head: git archive HEAD)
+	$(PYTHON) -m instructor clean-machine --suite $(SUITE) $(if $(QUICK),--quick) $(if $(STAGE),--stage $(STAGE)) \
+	    $(if $(SOURCE),--source $(SOURCE))
 
 lint: setup ## ruff
 	$(PY) -m ruff check .

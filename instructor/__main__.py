@@ -1,7 +1,9 @@
-"""``python -m instructor {release,autograder,mutants,answers,gpu-check,timings,numerics,new-stage}``: instructor tools.
+"""``python -m instructor {release,autograder,mutants,answers,gpu-check,timings,numerics,new-stage,clean-machine}``:
+instructor tools.
 
 Each command's own ``--help`` says more; the Makefile targets call these (``make student``, ``make release``,
-``make autograder``, ``make mutants``, ``make answers``, ``make gpu-check``, ``make timings``, ``make new-stage``).
+``make autograder``, ``make mutants``, ``make answers``, ``make gpu-check``, ``make timings``, ``make new-stage``,
+``make test-clean-machine``).
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ PASS_THROUGH = {
     "timings": ("instructor.timings", "record every graded test's reference run in tests/timings.json"),
     "numerics": ("instructor.numerics", "grade the reference on each CPU code path (MKL_CBWR × ATEN_CPU_CAPABILITY)"),
     "new-stage": ("instructor.scaffold", "write the skeletons of a new stage and its registry entry"),
+    "clean-machine": ("instructor.clean_machine", "make setup and the README's commands in a clean Debian root, timed"),
 }
 
 

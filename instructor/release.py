@@ -43,17 +43,21 @@ GIVEN_HEADER = "# Given code — read, don't edit. Generated from the kit's refe
 # answer key (instructor/), the solutions (reference/), the hidden tests and the kit's own tests (which test
 # the instructor's tools against the reference), and the maintainers' guide.
 RELEASE_EXCLUDE = ("instructor", "reference", "tests/hidden", "tests/kit", "CONTRIBUTING.md")
+# Hidden top-level entries a student needs (the rest, .ci/ and .git/, stay out): the dev container (README.md,
+# "On macOS or Windows") is the Dockerfile with these two.
+RELEASE_DOTFILES = (".gitignore", ".dockerignore", ".devcontainer")
 
 
 def release_parts(root: Path = ROOT) -> list[str]:
     """The top-level files and folders a release is made of: what the repository tracks at its top (every
-    non-hidden entry, outside a git checkout), minus :data:`RELEASE_EXCLUDE`; ``.gitignore`` is kept."""
+    non-hidden entry, outside a git checkout), minus :data:`RELEASE_EXCLUDE`; of the hidden ones, only
+    :data:`RELEASE_DOTFILES`."""
     try:
         listed = subprocess.run(["git", "ls-files"], cwd=root, capture_output=True, text=True, timeout=60, check=True)
         names = {line.split("/")[0] for line in listed.stdout.splitlines() if line}
     except (OSError, subprocess.SubprocessError):
         names = {p.name for p in root.iterdir()}
-    names = {n for n in names if not n.startswith(".") or n == ".gitignore"}
+    names = {n for n in names if not n.startswith(".") or n in RELEASE_DOTFILES}
     return sorted(n for n in names if n not in RELEASE_EXCLUDE and (root / n).exists())
 
 

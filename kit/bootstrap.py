@@ -24,10 +24,16 @@ import importlib.metadata as metadata
 import subprocess
 import sys
 import tempfile
-import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+from kit import python_check
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python < 3.11: main() says what to install (kit.python_check), not a traceback
+    tomllib = None
 
 try:
     from packaging.requirements import Requirement
@@ -260,6 +266,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--python-version", default="3.12", help="with --download: the target's CPython")
     parser.add_argument("--skip", nargs="*", default=[], help="with --download: requirements the target has")
     args = parser.parse_args(argv)
+    if python_check.too_old():
+        print(python_check.message(), file=sys.stderr)
+        return 1
     if args.link_site is not None:
         link_site(args.link_site)
         return 0
