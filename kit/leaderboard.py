@@ -519,6 +519,10 @@ def _unaveraged_hint(g: Any, reference: dict, name: str, world: int, allowed: fl
     return ""
 
 
+# fp32 operations between a gradient and its AdamW update, in any order the handout allows (see _param_mismatch).
+UPDATE_ROUNDINGS = 10
+
+
 def _param_mismatch(p: Any, expected: Any, initial: Any, grad: Any, config: dict, tol: Tolerances) -> str:
     """'' when ``p`` (a parameter after the first step) is within the first-AdamW-step bound of :func:`tolerances`,
     else the rest of a sentence saying where it is not."""
@@ -533,8 +537,12 @@ def _param_mismatch(p: Any, expected: Any, initial: Any, grad: Any, config: dict
     margin = (g.abs() - delta).clamp_min(0) + eps
     sensitivity = torch.where(safe, lr * delta * eps / margin**2, torch.full_like(g, 2 * lr))
     # Rounding: p·(1 − lr·λ) and the subtraction of the update each round relative to the largest magnitude
-    # involved (the initial weight, the result, lr), in the parameter's dtype.
-    allowed = sensitivity + tol.param_rounding * 2 * (initial.double().abs() + e.abs() + lr)
+    # involved (the initial weight, the result, lr), in the parameter's dtype. And the update lr·m̂/(√v̂ + ε) itself
+    # (≤ lr at the first step) is computed in fp32 through at most UPDATE_ROUNDINGS operations in any order the
+    # handout allows (m, v, two bias corrections, √, + ε, ÷, × lr, −): torch's folded form and the textbook m̂, v̂
+    # form each round that many times, so the two differ by ≤ 2·UPDATE_ROUNDINGS·u₃₂·lr.
+    update_rounding = 2 * UPDATE_ROUNDINGS * UNIT_ROUNDOFF["fp32"] * lr
+    allowed = sensitivity + tol.param_rounding * 2 * (initial.double().abs() + e.abs() + lr) + update_rounding
     err = (p - e).abs()
     bad = ~(err <= allowed)
     if not bad.any():
