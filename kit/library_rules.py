@@ -119,10 +119,14 @@ RULES: tuple[Rule, ...] = (
          modules=("whole_step/fused_adamw.py",),
          static=("Adam", "AdamW", "_single_tensor_adam", "_multi_tensor_adam", "_fused_adam", "_fused_adam_",
                  "_fused_adamw_")),
-    Rule("triton-loss", 7, "the fused LM-head cross-entropy's forward and backward in Triton kernels",
-         "PyTorch matmuls, softmax, log-sum-exp or cross-entropy in the fused loss", "handout 07, What is graded",
+    # The reference's fused loss dispatches none of _TORCH_MATH_OPS (forward and backward, fp32 and bf16, on inputs
+    # larger than the tests'): its checks, allocations, the mean over tokens and the casts are other ops. The judge
+    # (tests/test_stage7_rules.py) also checks that dH and dW are stored by kernels that run tl.dot.
+    Rule("triton-loss", 7, "the fused loss's forward and backward in Triton kernels",
+         "PyTorch matmuls, softmax, log-sum-exp, cross-entropy", "handout 07, What is graded",
          ops=_TORCH_MATH_OPS,
-         allowed="input checks, allocation, the final mean over tokens, casts"),
+         allowed="input checks, allocation, casts and copies, the final mean over tokens, elementwise work and "
+                 "reductions such as combining per-tile partial log-sum-exps (max, exp, log, sum)"),
 )
 
 
@@ -267,7 +271,9 @@ def watch(rules: Iterable[str], package: str | None = None) -> Iterator[Watch]:
 
 def describe_one(violation: dict, r: Rule) -> str:
     """One line of a rule's message for a violation recorded as data (:meth:`Watch.as_data`)."""
-    verb = {"called": "calls", "derives": "derives from", "dispatched": "dispatches"}[violation["how"]]
+    # A judge's own finding (Stage 7's "computes dH … in no kernel with tl.dot") says its verb itself.
+    verb = {"called": "calls", "derives": "derives from", "dispatched": "dispatches"}.get(violation["how"],
+                                                                                          violation["how"])
     where = f" (at {violation['where']})" if violation.get("where") else ""
     return f"  - {verb} {violation['what']}{where}"
 

@@ -30,7 +30,8 @@ import kit.impl
 from kit.checks import outcome_of
 from kit.testing import assert_close, assert_equal, assert_raised
 
-pytestmark = pytest.mark.stage7
+# Every test here grades FusedAdamW: torch's AdamW behind it loses them all (tests/test_stage7_rules.py).
+pytestmark = [pytest.mark.stage7, pytest.mark.builds("torch-adamw")]
 
 SEC = "handout 07b §4"
 U32 = 2.0**-24
@@ -290,6 +291,8 @@ def _diagnose(name: str, got: list[torch.Tensor], steps: int, low: float = 0.0) 
     for mistake, flags in MISTAKES.items():
         wrong = _adamw64(start, grads, group["lr"], group["betas"], group["eps"], group["weight_decay"], **flags)
         scale = max(float((wrong[-1] - start.double()).abs().max()), 1e-12)
+        # A hint, not a grade: within 0.1 % of how far the mistake moves the weights, far above fp32 rounding
+        # (≲ 1e-5 relative, the module docstring) and far below the gap between two different mistakes.
         if all(float((g.double() - w).abs().max()) <= 1e-3 * scale for g, w in zip(got, wrong)):
             return f" It matches AdamW with the mistake: {mistake}."
     return ""
@@ -321,6 +324,7 @@ def test_adamw_matches_torch_adamw_over_steps(worker):
     got = worker.call(_trajectory, STEPS)
     expected = torch_reference(STEPS)
     check_trajectory(got["after"], expected, ["w1", "w2", "late", "tiny"], "FusedAdamW")
+    # Never a gradient: AdamW neither decays nor updates it, so it stays bit for bit its initial value.
     assert_close(got["after"][-1]["frozen"], initial()["frozen"], name="parameter 'frozen' (never has a gradient)",
                  section=SEC, rtol=0, atol=0)
     frozen_index = [n for g in GROUPS for n in g["names"]].index("frozen")
@@ -347,6 +351,8 @@ def test_adamw_first_step_is_bias_corrected(worker):
     off_by_one = (1 - b1) / (1 - b1**2) / math.sqrt((1 - b2) / (1 - b2**2))
     hint = (f" Every element moved by {ratio:.3g}·lr where AdamW's first step moves it by 1·lr (m̂ = m/(1 − β₁¹) = g, "
             f"√v̂ = √(v/(1 − β₂¹)) = |g|).")
+    # Hints only: the median step in units of lr against what two known mistakes give (0.73 and 0.45 for w1's betas,
+    # against 1); its fp32 rounding is ~u·|p|/lr ≈ 6e-6, so 1e-3 is far above that and far below those gaps.
     if abs(ratio - off_by_one) < 1e-3:
         hint += f" {off_by_one:.3g}·lr is what a bias correction with t + 1 gives: the step count is off by one."
     elif abs(ratio - (1 - b1) / math.sqrt(1 - b2)) < 1e-3:
@@ -368,6 +374,9 @@ def test_adamw_weight_decay_is_decoupled(worker):
     for t, value in enumerate(got, start=1):
         expected = start * (1 - 1e-2 * 0.1) ** t
         moved = float(((start - value.double()).abs() / start.abs()).median())
+        # Each step rounds the decay factor 1 − lr·λ and the product p·(1 − lr·λ) (≤ u each, u = 2⁻²⁴), and perhaps
+        # a zero update added: ≤ 4u per step, so 8·t·u after t steps is twice that; coupled (L2) decay moves each
+        # weight by ~lr = 1e-2.
         try:
             assert_close(value, expected, name=f"zero-gradient parameter after step {t} (lr 1e-2, weight decay 0.1)",
                          section=SEC, rtol=8 * t * U32, atol=0)
@@ -412,6 +421,8 @@ def test_adamw_master_weights_follow_an_fp32_reference(worker):
         atol, rtol = fp32_atol_rtol(name, steps, expected, start, groups)
         assert_close(entry["master"], expected[-1][name], name=f"fp32 master copy of {name!r} after {steps} steps",
                      section=SEC, rtol=rtol, atol=atol)
+        # bf16 keeps 8 significant bits: its ulp at |x| ∈ [2ᵉ, 2ᵉ⁺¹) is 2ᵉ⁻⁷. The parameter is the master rounded
+        # (≤ half an ulp away) and the master is within the fp32 bound above (≪ an ulp): one ulp in all.
         ulp = 2.0 ** (torch.floor(torch.log2(expected[-1][name].abs())) - 7)
         err = (got["after"][-1][name].double() - expected[-1][name]).abs()
         if (err > ulp).any():
@@ -431,7 +442,7 @@ def test_adamw_state_dict_round_trip(worker):
     for master in (False, True):
         got = worker.call(_resumed, master)
         what = "bf16 with master weights" if master else "fp32"
-        for name in SHAPES:
+        for name in SHAPES:  # the same operations on the same values, state restored exactly: bit for bit
             assert_close(got["resumed"][name], got["straight"][name], rtol=0, atol=0, section=SEC,
                          name=f"{what}: parameter {name!r} after 3 steps, a state_dict round trip, 3 more steps "
                               "(against 6 steps straight)")

@@ -153,29 +153,34 @@ def test_step_naive_choices_single_process(worker):
     single(worker, "naive")
 
 
+@pytest.mark.builds("torch-adamw")
 @pytest.mark.points(3)
 def test_step_fp32_pieces_single_process(worker):
     """Your Stage 3 FlashAttention (PyTorch), FusedAdamW, 2 micro-batches, activation checkpointing, fp32."""
     single(worker, "fp32 pieces")
 
 
+@pytest.mark.builds("torch-adamw")
 @pytest.mark.points(2)
 def test_step_bf16_autocast_single_process(worker):
     single(worker, "bf16 autocast")
 
 
+@pytest.mark.builds("torch-adamw")
 @pytest.mark.points(3)
 def test_step_bf16_weights_single_process(worker):
     """bf16 weights, fp32 master weights and moments in FusedAdamW."""
     single(worker, "bf16 weights")
 
 
+@pytest.mark.builds("triton-loss", "torch-adamw")
 @pytest.mark.points(2)
 def test_step_fused_loss_single_process(worker):
     """Handout 07's fused LM head + cross-entropy in place of the full logits, fp32."""
     single(worker, "fused loss fp32")
 
 
+@pytest.mark.builds("triton-loss", "torch-adamw")
 @pytest.mark.points(2)
 def test_step_fused_loss_bf16_weights_single_process(worker):
     single(worker, "fused loss bf16 weights")
@@ -187,6 +192,7 @@ def test_step_two_ranks_ddp_bucketed(two_ranks):
     on_two_ranks(two_ranks, "naive over DDPBucketed")
 
 
+@pytest.mark.builds("torch-adamw")
 @pytest.mark.points(3)
 def test_step_two_ranks_fp32_pieces(two_ranks):
     """FlashAttention, FusedAdamW, micro-batches under no_sync, checkpointing, one bucket, on 2 ranks."""
@@ -198,6 +204,7 @@ def test_step_two_ranks_bf16_autocast_micro_batches(two_ranks):
     on_two_ranks(two_ranks, "bf16 autocast, micro-batches")
 
 
+@pytest.mark.builds("triton-loss", "torch-adamw")
 @pytest.mark.points(2)
 def test_step_two_ranks_fused_loss_bf16_weights(two_ranks):
     on_two_ranks(two_ranks, "fused loss bf16 weights")
