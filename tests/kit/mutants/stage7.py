@@ -226,4 +226,14 @@ STEP: list[Mutant] = [
 ]
 
 
-MUTANTS = FUSED_LOSS + STEP
+# Issue 40: mistakes written by students who had not seen this catalogue, each one a public test now catches.
+ISSUE_40_LOSS_AND_ADAMW = [
+    # (entries for the fused loss and FusedAdamW go here)
+]
+
+ISSUE_40_STEP = [
+    # (entries for the step go here)
+]
+
+
+MUTANTS = FUSED_LOSS + STEP + ISSUE_40_LOSS_AND_ADAMW + ISSUE_40_STEP
