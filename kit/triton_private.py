@@ -23,6 +23,8 @@ What is relied on, by function:
   ``CompiledKernel.src.constants`` and ``CompiledKernel._init_handles`` (registers and spills are known
   only once the binary is loaded on a GPU).
 * :func:`atomics_recorded`: the interpreter's ``InterpreterBuilder.create_atomic_rmw``/``create_atomic_cas``.
+* :func:`dots_counted`: the interpreter's ``InterpreterBuilder.create_dot``/``create_dot_scaled``;
+  :func:`compiled_ttir`: ``CompiledKernel.asm``.
 """
 
 from __future__ import annotations
@@ -54,11 +56,14 @@ def in_autotuner_benchmark() -> bool:
 
 
 @contextlib.contextmanager
-def launches_intercepted(on_launch: Callable[..., bool]) -> Iterator[None]:
+def launches_intercepted(on_launch: Callable[..., bool],
+                         after: Callable[[Any, dict], None] | None = None) -> Iterator[None]:
     """Call ``on_launch(kernel, named, options, grid)`` at every kernel launch (not at warm-ups) while the
     block runs: ``kernel`` the launched function object (its ``fn`` is the Python function), ``named`` its
     arguments by parameter name, ``options`` the launch options (``num_warps``, …), ``grid`` as passed (a
-    tuple or a function of the named arguments). When ``on_launch`` returns False the launch is skipped."""
+    tuple or a function of the named arguments). When ``on_launch`` returns False the launch is skipped.
+    ``after(kernel, named)``, if given, is called once a launch that ran has returned (or raised): under the
+    interpreter its stores are then in memory; on a GPU they are once the stream is synchronised."""
     classes = _kernel_classes()
     originals = {cls: cls.run for cls in classes}
 
@@ -69,6 +74,11 @@ def launches_intercepted(on_launch: Callable[..., bool]) -> Iterator[None]:
                 options = {k: named.pop(k) for k in LAUNCH_OPTIONS if k in named and k not in self.arg_names}
                 if not on_launch(self, named, {k: v for k, v in options.items() if v is not None}, grid):
                     return None
+                if after is not None:
+                    try:
+                        return original(self, *args, grid=grid, warmup=warmup, **kwargs)
+                    finally:
+                        after(self, named)
             return original(self, *args, grid=grid, warmup=warmup, **kwargs)
 
         return run
@@ -218,6 +228,37 @@ def loaded_resources(compiled) -> tuple[int, int]:
     """(registers per thread, spilled registers) of a ``CompiledKernel``, loaded on this process's GPU."""
     compiled._init_handles()
     return compiled.n_regs, compiled.n_spills
+
+
+@contextlib.contextmanager
+def dots_counted() -> Iterator[list[int]]:
+    """Count the ``tl.dot`` operations (plain and scaled) the interpreter executes inside the block:
+    ``counter[0]``, which the caller may reset between launches."""
+    from triton.runtime.interpreter import InterpreterBuilder
+
+    counter = [0]
+    names = [n for n in ("create_dot", "create_dot_scaled") if hasattr(InterpreterBuilder, n)]
+    originals = {name: getattr(InterpreterBuilder, name) for name in names}
+
+    def counting(original):
+        def create(self, *args, **kwargs):
+            counter[0] += 1
+            return original(self, *args, **kwargs)
+
+        return create
+
+    for name, original in originals.items():
+        setattr(InterpreterBuilder, name, counting(original))
+    try:
+        yield counter
+    finally:
+        for name, original in originals.items():
+            setattr(InterpreterBuilder, name, original)
+
+
+def compiled_ttir(fn) -> list[str]:
+    """The Triton IR (``CompiledKernel.asm["ttir"]``) of every variant of ``fn`` this process has compiled."""
+    return [str(getattr(c, "asm", {}).get("ttir", "")) for c in compiled_variants(fn)]
 
 
 @contextlib.contextmanager
