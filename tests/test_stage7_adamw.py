@@ -74,18 +74,28 @@ def groups_of(params: dict[str, torch.Tensor], groups: list[dict] = GROUPS) -> l
             for g in groups]
 
 
+def scheduled(groups: list[dict], step: int) -> list[dict[str, float]]:
+    """Each group's lr and weight decay at ``step`` (0-based) of the schedule test, as a scheduler sets them in
+    ``optimizer.param_groups`` before the step: lr × 0.6 every step, the weight decay doubled from step 3 on."""
+    return [{"lr": g["lr"] * 0.6**step, "weight_decay": g["weight_decay"] * (2 if step >= 3 else 1)} for g in groups]
+
+
 # ----------------------------------------------------------------------------------------------------
 # In the worker: FusedAdamW steps, the parameters come back
 # ----------------------------------------------------------------------------------------------------
 
 
 def _trajectory(steps: int, dtype: str = "float32", master: bool = False, low: float = 0.0,
-                shapes: dict = SHAPES, groups: list[dict] = GROUPS) -> dict[str, Any]:
-    """The parameters after each step (as fp32), and the final state dict."""
+                shapes: dict = SHAPES, groups: list[dict] = GROUPS, schedule: bool = False) -> dict[str, Any]:
+    """The parameters after each step (as fp32), and the final state dict. ``schedule``: each group's lr and
+    weight decay are set before every step (:func:`scheduled`)."""
     params = {n: p.to(getattr(torch, dtype)).requires_grad_() for n, p in initial(shapes, low=low).items()}
     optimizer = _module().FusedAdamW(groups_of(params, groups), master_weights=master)
     after = []
     for step in range(steps):
+        if schedule:
+            for group, options in zip(optimizer.param_groups, scheduled(groups, step)):
+                group.update(options)
         for name, p in params.items():
             g = gradient(name, p.shape, step)
             p.grad = None if g is None else g.to(p.dtype)
@@ -210,14 +220,18 @@ def _bad_calls() -> dict[str, dict]:
 
 
 def torch_reference(steps: int, dtype: torch.dtype = torch.float64, low: float = 0.0, cast: torch.dtype | None = None,
-                    shapes: dict = SHAPES, groups: list[dict] = GROUPS) -> list[dict[str, torch.Tensor]]:
+                    shapes: dict = SHAPES, groups: list[dict] = GROUPS,
+                    schedule: bool = False) -> list[dict[str, torch.Tensor]]:
     """torch.optim.AdamW in ``dtype`` on the same gradients; ``cast`` rounds the initial weights and the gradients
-    to that dtype first (what a bf16 parameter and its bf16 gradient hold)."""
+    to that dtype first (what a bf16 parameter and its bf16 gradient hold); ``schedule`` as :func:`_trajectory`."""
     start = initial(shapes, low=low)
     params = {n: (p.to(cast) if cast else p).to(dtype).requires_grad_() for n, p in start.items()}
     optimizer = torch.optim.AdamW(groups_of(params, groups))
     after = []
     for step in range(steps):
+        if schedule:
+            for group, options in zip(optimizer.param_groups, scheduled(groups, step)):
+                group.update(options)
         for name, p in params.items():
             g = gradient(name, p.shape, step)
             p.grad = None if g is None else (g.to(cast) if cast else g).to(dtype)
@@ -268,18 +282,20 @@ def _group_of(name: str, groups: list[dict] = GROUPS) -> dict:
 
 
 def fp32_atol_rtol(name: str, steps: int, reference: list[dict[str, torch.Tensor]], start: torch.Tensor | None = None,
-                   groups: list[dict] = GROUPS) -> tuple[float, float]:
+                   groups: list[dict] = GROUPS, schedule: bool = False) -> tuple[float, float]:
     """The module docstring's bound for ``name`` after ``steps`` steps of the float64 ``reference`` (which started
-    from ``start``, default ``initial()[name]``): (atol, rtol)."""
-    group = _group_of(name, groups)
+    from ``start``, default ``initial()[name]``): (atol, rtol). ``schedule``: the group's lr and weight decay of
+    each step are :func:`scheduled`'s, and the bound takes the largest lr (each step's terms are at most that)."""
+    index = next(i for i, g in enumerate(groups) if name in g["names"])
+    options = [scheduled(groups, step)[index] if schedule else groups[index] for step in range(steps)]
     previous = (initial()[name] if start is None else start).double()
     largest = 0.0
-    for after in reference[:steps]:
+    for after, group in zip(reference[:steps], options):
         decayed = previous * (1 - group["lr"] * group["weight_decay"])
         largest = max(largest, float((after[name] - decayed).abs().max()) / group["lr"])
         previous = after[name]
     t = steps
-    atol = 2 * (6 * t + 1.5 * t * t) * U32 * group["lr"] * max(largest, 1.0)
+    atol = 2 * (6 * t + 1.5 * t * t) * U32 * max(group["lr"] for group in options) * max(largest, 1.0)
     return atol, 2 * 2 * t * U32
 
 
@@ -394,44 +410,77 @@ def test_adamw_eps_outside_the_square_root(worker):
     check_trajectory(got, torch_reference(3), ["tiny"], "FusedAdamW, gradients ~1e-4 with eps 1e-3")
 
 
+# The 16-bit dtypes with master weights: (short name, bits after the leading one — the ulp at |x| ∈ [2ᵉ, 2ᵉ⁺¹) is
+# 2^(e − bits) —, what the base lr is divided by). lr 1e-3/3e-3 in bf16, 1e-4/3e-4 in fp16: most updates are below
+# half an ulp at |p| ≥ 0.5 (2⁻⁹ ≈ 2.0e-3 in bf16, 2⁻¹² ≈ 2.4e-4 in fp16) and vanish without a master copy.
+MASTER_DTYPES = {"bfloat16": ("bf16", 7, 10), "float16": ("fp16", 10, 100)}
+
+
 @pytest.mark.points(4)
 def test_adamw_master_weights_follow_an_fp32_reference(worker):
-    """bf16 parameters with master_weights=True, 12 steps at lr 1e-2/3e-2, weights of magnitude [0.5, 1]: the fp32
-    master copy follows float64 AdamW from the same (bf16) start on the same (bf16) gradients, within the fp32
-    bound; each bf16 parameter is its master rounded (within one bf16 ulp of the float64 value). Without a master
-    copy, an update smaller than half a bf16 ulp (2⁻⁹ at |p| ≥ 0.5) would be lost."""
+    """bf16 and fp16 parameters with master_weights=True, 12 steps at lr 1e-3/3e-3 (bf16) and 1e-4/3e-4 (fp16),
+    weights of magnitude [0.5, 1]: the fp32 master copy follows float64 AdamW from the same (16-bit) start on the
+    same (16-bit) gradients, within the fp32 bound; each 16-bit parameter is its master rounded (within one ulp of
+    the float64 value). Without a master copy, an update smaller than half an ulp at |p| ≥ 0.5 would be lost."""
     steps = 12
-    groups = [{**g, "lr": g["lr"] / 10} for g in GROUPS]  # lr 1e-3 / 3e-3: updates below half a bf16 ulp
-    got = worker.call(_trajectory, steps, "bfloat16", True, 0.5, SHAPES, groups)
-    expected = torch_reference(steps, low=0.5, cast=torch.bfloat16, groups=groups)
-    order = [n for g in groups for n in g["names"]]
-    state = got["state_dict"]["state"]
-    for name in ("w1", "w2", "late", "tiny"):
-        entry = state.get(order.index(name), {})
-        if not isinstance(entry.get("master"), torch.Tensor):
-            raise AssertionError(
-                f"optimizer state of bf16 parameter {name!r}: no 'master' tensor (keys {sorted(entry)}). With "
-                "master_weights=True each 16-bit parameter keeps an fp32 copy, state['master'], that the update is "
-                f"applied to; the parameter is rounded from it. See {SEC}.")
-        for key in ("master", "exp_avg", "exp_avg_sq"):
-            assert_equal(str(entry[key].dtype), "torch.float32",
-                         name=f"dtype of state[{key!r}] of bf16 parameter {name!r} with master_weights=True (the "
-                              "master copy and the moments m, v are kept in fp32)", section=SEC)
-        start = initial(low=0.5)[name].to(torch.bfloat16)
-        atol, rtol = fp32_atol_rtol(name, steps, expected, start, groups)
-        assert_close(entry["master"], expected[-1][name], name=f"fp32 master copy of {name!r} after {steps} steps",
-                     section=SEC, rtol=rtol, atol=atol)
-        # bf16 keeps 8 significant bits: its ulp at |x| ∈ [2ᵉ, 2ᵉ⁺¹) is 2ᵉ⁻⁷. The parameter is the master rounded
-        # (≤ half an ulp away) and the master is within the fp32 bound above (≪ an ulp): one ulp in all.
-        ulp = 2.0 ** (torch.floor(torch.log2(expected[-1][name].abs())) - 7)
-        err = (got["after"][-1][name].double() - expected[-1][name]).abs()
-        if (err > ulp).any():
-            i = int((err / ulp).flatten().argmax())
-            raise AssertionError(
-                f"bf16 parameter {name!r} after {steps} steps is {float(got['after'][-1][name].flatten()[i]):.6g} at "
-                f"flat index {i}, the float64 reference {float(expected[-1][name].flatten()[i]):.6g}: more than one "
-                f"bf16 ulp ({float(ulp.flatten()[i]):.3g}) apart. Each step must update the fp32 master and round the "
-                f"parameter from it; an update applied in bf16 loses every step smaller than half an ulp. See {SEC}.")
+    for dtype, (short, bits, divisor) in MASTER_DTYPES.items():
+        groups = [{**g, "lr": g["lr"] / divisor} for g in GROUPS]
+        got = worker.call(_trajectory, steps, dtype, True, 0.5, SHAPES, groups)
+        expected = torch_reference(steps, low=0.5, cast=getattr(torch, dtype), groups=groups)
+        order = [n for g in groups for n in g["names"]]
+        state = got["state_dict"]["state"]
+        for name in ("w1", "w2", "late", "tiny"):
+            entry = state.get(order.index(name), {})
+            if not isinstance(entry.get("master"), torch.Tensor):
+                raise AssertionError(
+                    f"optimizer state of {short} parameter {name!r}: no 'master' tensor (keys {sorted(entry)}). With "
+                    "master_weights=True each 16-bit parameter (bf16 and fp16 alike: every dtype but fp32) keeps an "
+                    "fp32 copy, state['master'], that the update is applied to; the parameter is rounded from it. "
+                    f"See {SEC}.")
+            for key in ("master", "exp_avg", "exp_avg_sq"):
+                assert_equal(str(entry[key].dtype), "torch.float32",
+                             name=f"dtype of state[{key!r}] of {short} parameter {name!r} with master_weights=True "
+                                  "(the master copy and the moments m, v are kept in fp32)", section=SEC)
+            start = initial(low=0.5)[name].to(getattr(torch, dtype))
+            atol, rtol = fp32_atol_rtol(name, steps, expected, start, groups)
+            assert_close(entry["master"], expected[-1][name], section=SEC, rtol=rtol, atol=atol,
+                         name=f"fp32 master copy of {short} parameter {name!r} after {steps} steps")
+            # The parameter is the master rounded (≤ half an ulp away) and the master is within the fp32 bound
+            # above (≪ an ulp): one ulp in all. A parameter updated in 16 bits instead stays where it was.
+            ulp = 2.0 ** (torch.floor(torch.log2(expected[-1][name].abs())) - bits)
+            final = got["after"][-1][name].double()
+            err = (final - expected[-1][name]).abs()
+            if (err > ulp).any():
+                i = int((err / ulp).flatten().argmax())
+                moved = float((final - start.double()).abs().flatten()[i])
+                raise AssertionError(
+                    f"{short} parameter {name!r} after {steps} steps is {float(final.flatten()[i]):.6g} at flat index "
+                    f"{i} (it moved by {moved:.3g} from its start), the float64 reference "
+                    f"{float(expected[-1][name].flatten()[i]):.6g}: more than one {short} ulp "
+                    f"({float(ulp.flatten()[i]):.3g}) apart. Each step must update the fp32 master and round the "
+                    f"parameter from it; an update applied in {short} loses every step smaller than half an ulp. "
+                    f"See {SEC}.")
+
+
+@pytest.mark.points(2)
+def test_adamw_follows_a_learning_rate_schedule(worker):
+    """A scheduler changes group["lr"] before every step (× 0.6) and the weight decay doubles from step 4 on:
+    FusedAdamW over 6 steps against torch.optim.AdamW in float64 under the same schedule — every option is read
+    from its group at every step, nothing derived from them cached."""
+    got = worker.call(_trajectory, STEPS, schedule=True)["after"]
+    expected = torch_reference(STEPS, schedule=True)
+    for step, (g, e) in enumerate(zip(got, expected)):
+        for name in ("w1", "w2", "late", "tiny"):
+            atol, rtol = fp32_atol_rtol(name, step + 1, expected, schedule=True)
+            try:
+                assert_close(g[name], e[name], section=SEC, rtol=rtol, atol=atol,
+                             name=f"FusedAdamW under a schedule (lr × 0.6 a step, weight decay doubled from step 4): "
+                                  f"parameter {name!r} after step {step + 1}")
+            except AssertionError as exc:
+                raise AssertionError(
+                    f"{exc} Before each step a learning-rate scheduler writes group['lr'] (here also "
+                    "group['weight_decay']): read lr, betas, eps and weight_decay from the group at every step(), "
+                    "and derive the decay factor 1 − lr·λ and the step size from them there, not once.") from None
 
 
 @pytest.mark.points(2)

@@ -79,13 +79,34 @@ def _module():
     return importlib.import_module(f"{kit.impl.selected()}.whole_step.fused_cross_entropy")
 
 
-def _run(h, w, t, *, ignore_index: int = IGNORE, upstream: float | None = UPSTREAM, transposed: bool = False) -> dict:
+# The padded case: rows of NaN after the last row of hidden and of W (any tile of up to 256 rows ends inside them)
+# and NaN columns after each row's d features.
+PAD_ROWS, PAD_COLUMNS = 256, 8
+
+
+def _in_nan_buffer(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (2-D) copied into the top-left corner of a NaN-filled buffer with PAD_ROWS more rows and PAD_COLUMNS
+    more columns, returned as the view of that corner: row stride d + PAD_COLUMNS, NaN after each row and after the
+    last row. Autograd flows back to ``x``."""
+    buffer = torch.full((x.shape[0] + PAD_ROWS, x.shape[1] + PAD_COLUMNS), float("nan"), dtype=x.dtype,
+                        device=x.device)
+    buffer[: x.shape[0], : x.shape[1]] = x
+    return buffer[: x.shape[0], : x.shape[1]]
+
+
+def _run(h, w, t, *, ignore_index: int = IGNORE, upstream: float | None = UPSTREAM, transposed: bool = False,
+         padded: bool = False, grad_hidden: bool = True, grad_weight: bool = True) -> dict:
     """In the worker: the loss of ``fused_linear_cross_entropy`` and, when ``upstream`` is not None, the gradients
     of ``upstream · loss`` for hidden and weight, as data. ``transposed``: ``h`` is ``(T, B, d)`` and the loss gets
-    the ``(B, T, d)`` view ``h.transpose(0, 1)`` (not contiguous), made here; dH comes back as ``(B, T, d)``."""
-    leaf_h, leaf_w = h.clone().requires_grad_(), w.clone().requires_grad_()
+    the ``(B, T, d)`` view ``h.transpose(0, 1)`` (not contiguous), made here; dH comes back as ``(B, T, d)``.
+    ``padded``: hidden ``(N, d)`` and weight are given as views of NaN-filled buffers (:func:`_in_nan_buffer`).
+    ``grad_hidden`` / ``grad_weight`` False: that input does not require grad (its gradient comes back None)."""
+    leaf_h, leaf_w = h.clone().requires_grad_(grad_hidden), w.clone().requires_grad_(grad_weight)
     hidden = leaf_h.transpose(0, 1) if transposed else leaf_h
-    loss = _module().fused_linear_cross_entropy(hidden, leaf_w, t, ignore_index=ignore_index)
+    weight = leaf_w
+    if padded:
+        hidden, weight = _in_nan_buffer(hidden), _in_nan_buffer(weight)
+    loss = _module().fused_linear_cross_entropy(hidden, weight, t, ignore_index=ignore_index)
     out = {"loss": loss.detach(), "dh": None, "dw": None}
     if upstream is not None:
         (loss * upstream).backward()
@@ -142,15 +163,36 @@ def _launch_data(launch: triton_compile.Launch) -> dict:
             "options": launch.options}
 
 
-def _compiled_kernels() -> list[dict]:
-    """Records the kernels a forward + backward launches (fp16 and fp32: 40 tokens, V = 72, d = 64), compiles
-    them for sm_90 in the worker's scratch folder, and returns each report as data."""
-    def forward_and_backward():
-        for dtype in (torch.float16, torch.float32):
-            h, w, t = make_inputs((40, 64), 72, dtype)
-            _run(h, w, t)
+# What the compile check launches: every dtype, at a ragged size and at the smallest input the contract accepts.
+COMPILE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+COMPILE_SHAPES = (((40, 64), 72), ((1, 1), 1))  # (hidden shape, V): 40 tokens, V = 72, d = 64; 1 token, V = 1, d = 1
 
-    launches = triton_compile.record_launches(forward_and_backward)
+
+@contextlib.contextmanager
+def launched_as_on_a_gpu():
+    """For the duration, the implementation picks its launches as it would on a GPU: ``TRITON_INTERPRET`` reads 0
+    (so ``kit.triton_interpreted()`` is False: GPU tiles, no bf16 upcast) and the given ``check_triton_device``
+    accepts CPU tensors. Use with ``record_launches(..., execute=False)``: the kernels are recorded, not run."""
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(mock.patch.dict("os.environ", {"TRITON_INTERPRET": "0"}))
+        module = _module()
+        if hasattr(module, "check_triton_device"):
+            stack.enter_context(mock.patch.object(module, "check_triton_device", lambda *args, **kwargs: None))
+        yield
+
+
+def _compiled_kernels() -> list[dict]:
+    """Records the kernels a forward + backward launches on a GPU — the tiles and flags the implementation picks
+    with the interpreter off (:func:`launched_as_on_a_gpu`) — for each of fp32, fp16 and bf16 at each of
+    COMPILE_SHAPES, compiles them for sm_90 in the worker's scratch folder, and returns each report as data."""
+    def forward_and_backward():
+        for dtype in COMPILE_DTYPES:
+            for hidden_shape, vocab in COMPILE_SHAPES:
+                h, w, t = make_inputs(hidden_shape, vocab, dtype, ignore_every=5 if vocab > 1 else 0)
+                _run(h, w, t)
+
+    with launched_as_on_a_gpu():
+        launches = triton_compile.record_launches(forward_and_backward, execute=False)
     root = Path(__file__).resolve().parent.parent
     reports = triton_compile.compile_launches(launches, Path(tempfile.mkdtemp(prefix="sm90-")), root,
                                               cache=triton_compile.user_cache_dir()) if launches else []
@@ -284,10 +326,14 @@ def test_fused_loss_large_logits_do_not_overflow(worker):
     h, w, t = make_inputs((37, 40), 101, torch.float32, scale=60.0, seed=1)
     got = worker.call(_run, h, w, t)
     where = "fp32, hidden (37, 40), V = 101, logits up to ±300"
-    for key in ("loss", "dh", "dw"):
+    assert torch.isfinite(got["loss"]).all(), (
+        f"the loss is {got['loss'].item()} ({where}): exp(z) overflowed. Subtract the running maximum before "
+        "exponentiating: s = s·exp(m − m_new) + Σ exp(z − m_new), lse = m + log s (handout 07 §2).")
+    for key in ("dh", "dw"):
         assert torch.isfinite(got[key]).all(), (
-            f"{key} has non-finite values ({where}): exp(z) overflowed. Subtract the running maximum before "
-            "exponentiating: s = s·exp(m − m_new) + Σ exp(z − m_new), lse = m + log s (handout 07 §2).")
+            f"{key} has non-finite values ({where}) while the loss is finite: the backward overflowed — recompute "
+            "p = exp(z − lse) from the saved lse (≤ 1, never exp(z) alone) — or a kernel read past the end of W or "
+            "hidden (mask every load: 0·garbage can be NaN) (handout 07 §3).")
     check_against_float64(got, h, w, t, where)
     # A constant feature with weight −1000 shifts every logit by −1000: exp underflows to 0 unless m starts at −inf.
     h, w, t = make_inputs((37, 40), 101, torch.float32, seed=2)
@@ -303,21 +349,74 @@ def test_fused_loss_large_logits_do_not_overflow(worker):
 # ------------------------------------------------------------------------------------ the backward (§3)
 
 
+def check_reads_inside(got: dict, where: str) -> None:
+    """Teaching messages for the padded case: a non-finite result there means a kernel read the NaN around the
+    views — which kernel, from which output is the first to be poisoned."""
+    finite = {key: got[key] is None or bool(torch.isfinite(got[key]).all()) for key in ("loss", "dh", "dw")}
+    if not finite["loss"]:
+        raise AssertionError(
+            f"the loss is {got['loss'].item()} ({where}): the forward read outside hidden or weight. A valid view's "
+            "rows need not be d elements apart: take each row stride from the tensor (hidden.stride(0), "
+            "weight.stride(0) of the (N, d) rows), not d, and mask every load (tokens < N, vocabulary < V, "
+            f"features < d) ({SECTION_FORWARD}).")
+    if not finite["dh"]:
+        raise AssertionError(
+            f"dH has non-finite values ({where}) while the loss is finite: the dH kernel reads past the end of W "
+            "(its rows ≥ V are NaN here; elsewhere they are whatever memory follows W, and 0·NaN = NaN even where dZ "
+            "is 0): mask the vocabulary tile (cols < V) in every load of W, and use W's row stride, not d "
+            f"({SECTION_BACKWARD}).")
+    if not finite["dw"]:
+        raise AssertionError(
+            f"dW has non-finite values ({where}) while the loss is finite: the dW kernel reads past the end of hidden "
+            "(its rows ≥ N are NaN here): mask the token tile (rows < N) in every load of hidden, and use its row "
+            f"stride, not d ({SECTION_BACKWARD}).")
+
+
 @pytest.mark.points(2)
 @pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
 def test_fused_loss_gradients_match_float64(worker, dtype):
-    """dH and dW of dloss·loss (dloss = 0.7) equal float64 autograd: flat rows and a (B, T, d) view that is not
-    contiguous, ragged sizes, some tokens ignored; gradients in the inputs' dtype."""
-    for (hidden_shape, vocab), transposed in zip(SHAPES, (False, True)):
+    """dH and dW of dloss·loss (dloss = 0.7) equal float64 autograd: hidden and weight as views of NaN-filled buffers
+    (rows d + 8 elements apart, NaN after each row and after the last: nothing outside a view may be read), flat
+    rows, and a (B, T, d) view that is not contiguous; ragged sizes, some tokens ignored; gradients in the inputs'
+    dtype."""
+    # The padded case first: in the others, whatever memory follows W and hidden decides whether a read past their
+    # end shows (NaN there poisons a gradient; zeros hide it).
+    for (hidden_shape, vocab), layout in zip([SHAPES[0], *SHAPES], ("padded", "rows", "transposed")):
         h, w, t = make_inputs(hidden_shape, vocab, dtype)
-        if transposed:  # the worker passes h.transpose(0, 1) of this (T, B, d) tensor: strides (d, B·d, 1)
+        if layout == "transposed":  # the worker passes h.transpose(0, 1) of this (T, B, d) tensor: strides (d, B·d, 1)
             base = h.transpose(0, 1).contiguous()
             got = worker.call(_run, base, w, t, transposed=True)
             where = describe(hidden_shape, vocab, dtype, ", hidden a (B, T, d) view of a (T, B, d) tensor")
+        elif layout == "padded":  # big[:N, :d] of NaN-filled buffers with PAD_ROWS more rows, PAD_COLUMNS more columns
+            got = worker.call(_run, h, w, t, padded=True)
+            d = hidden_shape[-1]
+            where = describe(hidden_shape, vocab, dtype, f", hidden and weight views big[:N, :{d}] with row stride "
+                             f"{d + PAD_COLUMNS} of buffers holding NaN outside them ({PAD_ROWS} rows after the last)")
+            check_reads_inside(got, where)
         else:
             got = worker.call(_run, h, w, t)
             where = describe(hidden_shape, vocab, dtype)
         check_against_float64(got, h, w, t, where)
+
+
+@pytest.mark.points(1)
+def test_fused_loss_one_input_frozen(worker):
+    """Only the inputs that require grad get a gradient: a frozen LM head (weight without grad) still gives dH,
+    detached hidden states still give dW, and the frozen input's .grad stays None."""
+    h, w, t = make_inputs((37, 40), 101, torch.float32)
+    exact = loss_float64(h, w, t)
+    for grad_hidden in (True, False):
+        got = worker.call(_run, h, w, t, grad_hidden=grad_hidden, grad_weight=not grad_hidden)
+        key, other, name = ("dh", "dw", "dH") if grad_hidden else ("dw", "dh", "dW")
+        frozen, trained = ("weight", "hidden") if grad_hidden else ("hidden", "weight")
+        where = f"fp32, hidden (37, 40), V = 101, {frozen} frozen (requires_grad=False)"
+        assert got[key] is not None, (
+            f"{name} is None ({where}): {trained} requires grad, so backward must return its gradient. "
+            "ctx.needs_input_grad[i] tells whether input i needs one: [0] for hidden, [1] for weight — skip a "
+            f"gradient only when its own flag is False ({SECTION_BACKWARD}).")
+        assert got[other] is None, f"{frozen} does not require grad ({where}), yet its .grad was set"
+        assert_close(got[key], exact[key], name=f"{name} ({where})", section=SECTION_BACKWARD,
+                     **tolerance(h, w, t, key))
 
 
 @pytest.mark.points(2)
@@ -368,8 +467,9 @@ def test_fused_loss_backward_is_deterministic(worker):
 # really launches and compiles exactly those for a Hopper GPU (sm_90) with the interpreter off — no GPU needed.
 @pytest.mark.points(2)
 def test_fused_loss_kernels_compile_for_a_gpu(worker):
-    """Every kernel the forward and backward launch compiles for sm_90, fits its shared memory, and multiplies
-    fp32 tiles at IEEE precision (not TF32)."""
+    """Every kernel the forward and backward launch on a GPU — fp32, fp16 and bf16, at 40 tokens × V = 72 × d = 64
+    and at the smallest input (1 token, V = 1, d = 1), with the tiles the implementation picks when the interpreter
+    is off — compiles for sm_90, fits its shared memory, and multiplies fp32 tiles at IEEE precision (not TF32)."""
     reports = worker.call(_compiled_kernels)
     assert reports, ("the fused loss launched no @triton.jit kernel: the forward and backward must run Triton "
                      "kernels (kernel[grid](...)), not PyTorch code (handout 07 §2).")
@@ -377,12 +477,23 @@ def test_fused_loss_kernels_compile_for_a_gpu(worker):
         launch = triton_compile.Launch(r["launch"]["module"], r["launch"]["name"], r["launch"]["args"],
                                        tuple(r["launch"]["grid"]), r["launch"]["options"])
         where = triton_compile.describe(launch)
-        assert not r["error"], (f"{where} runs in the interpreter but does not compile for a GPU (sm_90). The "
-                                f"compiler says:\n{r['error']}\n(handout 07 §3: the interpreter accepts Python the "
-                                "compiler rejects.)")
+        if r["error"] and "K >= 16" in r["error"]:
+            raise AssertionError(
+                f"{where}, launched as on a GPU, does not compile for sm_90: a tl.dot's inner dimension K is below "
+                "16, which the GPU's tl.dot needs (K ≥ 16; the interpreter does not check). Keep every tile "
+                "dimension a tl.dot sums over at 16 or more however small the input — 1 token, V = 1, d = 1 is "
+                f"valid — and let the masks handle the rest (handout 07 §3). The compiler says:\n{r['error'][-600:]}")
+        assert not r["error"], (
+            f"{where}, launched as on a GPU (the tiles your code picks with the interpreter off), does not compile "
+            "for sm_90. The interpreter runs code the compiler rejects, e.g. a tl.dot whose summed dimension K is "
+            "below 16 (a GPU's tl.dot needs K ≥ 16: tiles shrunk for a small input — 1 token, V = 1, d = 1 is valid), "
+            "Python lists, raise, Python control flow on tensor values (handout 07 §3). The compiler says (an error "
+            f"inside a @triton.jit helper points at the call):\n{r['error']}")
         assert r["shared"] <= triton_compile.SM90_SHARED_BYTES, (
-            f"{where} needs {r['shared']} bytes of shared memory; an H100 block has at most "
-            f"{triton_compile.SM90_SHARED_BYTES}. Use smaller tiles (handout 07 §3).")
+            f"{where} needs {r['shared']:,} bytes of shared memory on a GPU; an H100 block has at most "
+            f"{triton_compile.SM90_SHARED_BYTES:,}. Shared memory holds num_stages copies of each tile a tl.dot "
+            "reads (BLOCK × BLOCK_D elements of the dtype each): use smaller tiles or fewer stages for this "
+            "dtype (handout 07 §3).")
         bad = triton_compile.tf32_dots(r["ttir"])
         assert not bad, (
             f"{where}: compiled for a GPU, {len(bad)} tl.dot on fp32 tiles run in TF32 (10-bit mantissa), e.g.\n  "

@@ -228,11 +228,97 @@ STEP: list[Mutant] = [
 
 # Issue 40: mistakes written by students who had not seen this catalogue, each one a public test now catches.
 ISSUE_40_LOSS_AND_ADAMW = [
-    # (entries for the fused loss and FusedAdamW go here)
+    Mutant("issue40-adamw-master-copy-only-for-bf16", "whole_step/fused_adamw.py",
+           find="        master = group[\"master_weights\"] and p.dtype != torch.float32\n",
+           replace="        master = group[\"master_weights\"] and p.dtype == torch.bfloat16\n",
+           mistake="master weights only for bf16: fp16 parameters are updated in fp16, and updates below half an fp16 "
+                   "ulp (lr 1e-4 at |p| ≥ 0.5) are lost (07b §4)",
+           expect=r"fp16 parameter"),
+    Mutant("issue40-loss-row-stride-assumed-d", _LOSS,
+           find="h2.stride(0), weight.stride(0)", replace="d, d", count=3,
+           mistake="the kernels take d as the row stride of hidden and weight: wrong for valid views whose rows are "
+                   "farther apart, such as big[:, :d] (§2)",
+           expect=r"row stride"),
+    Mutant("issue40-loss-dweight-from-hidden-needs-grad", _LOSS,
+           find="need_weight_grad=ctx.needs_input_grad[1]", replace="need_weight_grad=ctx.needs_input_grad[0]",
+           mistake="whether dW is computed is read from needs_input_grad[0] (hidden) instead of [1] (weight): detached "
+                   "hidden states leave the LM head without a gradient (§3)",
+           expect=r"frozen"),
+    Mutant("issue40-adamw-decay-factor-cached-per-group", "whole_step/fused_adamw.py",
+           find="                torch._foreach_mul_(p_, 1 - lr * weight_decay)\n",
+           replace="                torch._foreach_mul_(p_, group.setdefault(\"decay\", 1 - lr * weight_decay))\n",
+           mistake="the decay factor 1 − lr·λ is computed once per group and cached: a learning-rate schedule (or a "
+                   "new weight decay) no longer reaches it (07b §4)",
+           expect=r"schedule"),
+    Mutant("issue40-loss-dhidden-reads-past-the-vocabulary", _LOSS,
+           find="mask=(cols < V)[:, None] & d_ok[None, :]", replace="mask=d_ok[None, :]",
+           mistake="the dH kernel loads W's tile without the vocabulary mask: rows past V are read (0·garbage, NaN "
+                   "when the memory after W holds NaN) (§3)",
+           expect=r"past the end of W"),
+    Mutant("issue40-loss-gpu-bf16-tiles-too-large", _LOSS,
+           find='torch.bfloat16: {"BLOCK_T": 64, "BLOCK_V": 128, "BLOCK_D": 32, "num_warps": 8, "num_stages": 3}',
+           replace='torch.bfloat16: {"BLOCK_T": 128, "BLOCK_V": 256, "BLOCK_D": 128, "num_warps": 8, "num_stages": 4}',
+           mistake="bf16 GPU tiles of 128 × 256 × 128 with 4 stages need 393,216 B of shared memory, more than an H100 "
+                   "block has (232,448): every bf16 launch on a GPU fails (§3)",
+           expect=r"shared memory"),
+    Mutant("issue40-loss-tiles-shrunk-below-16", _LOSS,
+           find="    config = launch_config(h2.dtype)\n", count=2,
+           replace="    config = launch_config(h2.dtype)\n"
+                   "    config[\"BLOCK_T\"] = min(config[\"BLOCK_T\"], triton.next_power_of_2(n_tokens))\n"
+                   "    config[\"BLOCK_D\"] = min(config[\"BLOCK_D\"], triton.next_power_of_2(d))\n",
+           mistake="tiles shrunk to the input for small inputs: below 16, tl.dot does not compile for a GPU (K ≥ 16), "
+                   "though the interpreter runs it (§3)",
+           expect=r"K ≥ 16"),
 ]
 
 ISSUE_40_STEP = [
     # (entries for the step go here)
+    Mutant("step-lm-head-detached-under-autocast", "whole_step/train_step.py",
+           find="            out, weight = out.to(torch.bfloat16), weight.to(torch.bfloat16)\n",
+           replace="            out, weight = out.to(torch.bfloat16), weight.detach().to(torch.bfloat16)\n",
+           mistake="under bf16_autocast the fused loss gets a detached bf16 copy of lm_head.weight: the LM head "
+                   "never gets a gradient and never trains (§5 point 5)",
+           expect=r"no gradient after the first step for \['lm_head\.weight'\]"),
+    Mutant("step-bf16-weights-without-master", "whole_step/train_step.py",
+           find='master_weights=config.dtype == "bf16")', replace="master_weights=False)",
+           mistake="bf16 weights updated by FusedAdamW without master weights: an update of lr = 1e-3 is below "
+                   "half a bf16 spacing at |p| = 1, so the RMSNorm gains never move (§4, §5)",
+           expect=r"moved 0 of"),
+    Mutant("step-autocast-never-enabled", "whole_step/train_step.py",
+           find='enabled=self.config.dtype == "bf16_autocast")', replace='enabled=self.config.dtype == "bf16")',
+           mistake="autocast enabled for the wrong dtype choice: bf16_autocast silently runs every matmul in fp32 "
+                   "(§5)",
+           expect=r"bf16 matmul"),
+    Mutant("step-checkpointing-loop-variable-rebound", "whole_step/train_step.py",
+           find="            block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)\n",
+           replace="            block = functools.partial(checkpoint, block, use_reentrant=False)\n",
+           mistake="activation checkpointing rebinds the loop variable instead of the block's forward: nothing is "
+                   "checkpointed, every block keeps its activations (§5, §7)",
+           expect=r"bytes of tensors for backward"),
+    Mutant("step-all-reduce-every-micro-batch", "whole_step/train_step.py",
+           find="""            quiet = ddp.no_sync() if ddp is not None and i < k - 1 else contextlib.nullcontext()
+            with quiet:
+                loss = self._loss(x, y) / k
+                loss.backward()
+            total += loss.detach()
+        if ddp is not None:
+            ddp.finish_gradient_synchronization()
+""",
+           replace="""            loss = self._loss(x, y) / k
+            loss.backward()
+            if ddp is not None:
+                ddp.finish_gradient_synchronization()  # each micro-batch's gradients averaged at once
+            total += loss.detach()
+""",
+           mistake="every micro-batch's gradients are all-reduced as soon as its backward ends instead of once per "
+                   "step under no_sync: right numbers, k times the communication (§5 point 3; handout 04 §5)",
+           expect=r"all-reduced .* bytes"),
+    Mutant("step-flash-triton-runs-pytorch", "whole_step/train_step.py",
+           find='    if name == "flash_triton":\n        return flash_attention_fn\n',
+           replace='    if name == "flash_triton":\n'
+                   '        return functools.partial(_flash_pytorch, flash_attention)\n',
+           mistake="attention='flash_triton' runs the PyTorch FlashAttention: right numbers, no Triton kernel (§5)",
+           expect=r"Triton"),
 ]
 
 
