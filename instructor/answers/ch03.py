@@ -42,8 +42,9 @@ def ok_rows() -> list[dict]:
 # ------------------------------------------------------------------------------------------ naive attention's peak
 
 @functools.cache
-def naive_peak_per_nn(dtype: str = "fp32", mode: str = "forward", n: int = 256, d: int = 64) -> float:
-    """Peak bytes `kit.model.naive_attention` (causal) adds on top of its inputs, per N² and per batch·head,
+def naive_peak_per_nn(dtype: str = "fp32", mode: str = "forward", n: int = 256, d: int = 64,
+                      batch_heads: int = 1) -> float:
+    """Peak bytes `kit.model.naive_attention` (causal) adds on top of its inputs at ``batch_heads``, per N²,
     measured by torch.profiler's memory timeline on this CPU (exact byte counts) at a small N. The O(N·D) terms
     are negligible against N² at the sizes of Problem 3.6 (D ≪ N)."""
     import torch
@@ -53,8 +54,8 @@ def naive_peak_per_nn(dtype: str = "fp32", mode: str = "forward", n: int = 256, 
 
     torch.manual_seed(0)
     dt = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
-    q, k, v = (torch.randn(1, 1, n, d, dtype=dt, requires_grad=mode != "forward") for _ in range(3))
-    grad_out = torch.randn(1, 1, n, d, dtype=dt)
+    q, k, v = (torch.randn(1, batch_heads, n, d, dtype=dt, requires_grad=mode != "forward") for _ in range(3))
+    grad_out = torch.randn(1, batch_heads, n, d, dtype=dt)
 
     def call() -> None:
         if mode == "forward":
@@ -68,22 +69,33 @@ def naive_peak_per_nn(dtype: str = "fp32", mode: str = "forward", n: int = 256, 
     return (max(total) - total[0]) / n**2
 
 
+def naive_peak_split(dtype: str, mode: str) -> tuple[float, float]:
+    """(bytes per N² per batch·head, bytes per N² shared by all batch·heads): the causal mask is built once,
+    ``torch.ones(nq, nk)``, and broadcast over batch·heads, so it does not scale with them. From two measurements
+    (batch·heads 1 and 2): the peak is linear in batch·heads."""
+    one, two = naive_peak_per_nn(dtype, mode, batch_heads=1), naive_peak_per_nn(dtype, mode, batch_heads=2)
+    return two - one, 2 * one - two
+
+
 def naive_peak_gib(n: int, dtype: str, mode: str, batch_heads: int = 16) -> float:
-    return naive_peak_per_nn(dtype, mode) * batch_heads * n**2 / 2**30
+    per_bh, shared = naive_peak_split(dtype, mode)
+    return (per_bh * batch_heads + shared) * n**2 / 2**30
 
 
 def naive_oom_table(seqs=(8192, 16384, 32768, 65536), batch_heads: int = 16, limit_gib: float = 79.1) -> str:
     """Predicted peak GiB of naive attention at batch·heads 16 per dtype and mode; OOM above ``limit_gib`` (an
     H100 80 GB's usable memory as torch reports it)."""
-    lines = ["| dtype | mode | bytes per N² per batch·head | " + " | ".join(f"N = {n}" for n in seqs) + " |",
-             "|---|---|---|" + "---|" * len(seqs)]
+    lines = ["| dtype | mode | bytes per N² per batch·head | shared (the mask) | "
+             + " | ".join(f"N = {n}" for n in seqs) + " |",
+             "|---|---|---|---|" + "---|" * len(seqs)]
     for dtype in ("fp32", "bf16"):
         for mode in ("forward", "forward_backward"):
             cells = []
             for n in seqs:
                 g = naive_peak_gib(n, dtype, mode, batch_heads)
                 cells.append(f"{g:,.0f}" + (" **OOM**" if g > limit_gib else ""))
-            lines.append(f"| {dtype} | {mode} | {naive_peak_per_nn(dtype, mode):.2f} | " + " | ".join(cells) + " |")
+            per_bh, shared = naive_peak_split(dtype, mode)
+            lines.append(f"| {dtype} | {mode} | {per_bh:.2f} | {shared:.2f} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
