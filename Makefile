@@ -23,7 +23,7 @@ export PYTHONDONTWRITEBYTECODE := 1
 
 .PHONY: help setup grade test test-reference test-kit test-cluster lint student check-student release autograder check-handout soak \
         timings stages numerics mutants answers notebooks bench doctor clean wheelhouse gpu-check new-stage bench-loop lab leaderboard \
-        test-clean-machine
+        test-clean-machine test-portable
 
 # `##` describes a target for `make help`; `##@instructor` marks one that needs reference/ (hidden in the student
 # release), `##@student` one that only the student release has.
@@ -70,6 +70,14 @@ test-kit: setup ##@instructor only the kit's own tests (grader, release, spawn h
 
 test-cluster: setup ##@instructor sbatch the kit's SLURM script on a 2-node SLURM started here (root; apt-get install -y slurm-wlm munge; ~1 min)
 	LLMSYS_TEST_CLUSTER=1 $(PY) -m pytest tests/kit/test_cluster.py --impl reference -p no:cacheprovider -v -s
+
+# A student's macOS run, forced on Linux (kit/portable.py): fresh worker processes, psutil, no /proc, prctl or sandbox.
+test-portable: setup ##@instructor the portable path forced here: the reference passes STAGE (default 1,2,4,5,6), no stub test passes
+	@marks="$$($(PY) -m kit stages --marker-expression $(or $(STAGE),1,2,4,5,6))"; \
+	LLMSYS_PORTABLE=1 $(PY) -m pytest tests --impl reference -q -p no:cacheprovider -m "$$marks" || exit 1; \
+	out="$$(LLMSYS_PORTABLE=1 $(PY) -m pytest tests --impl student -q -p no:cacheprovider --tb=no -m "$$marks" 2>&1)"; \
+	echo "stubs: $$(echo "$$out" | tail -n 1)"; \
+	if echo "$$out" | tail -n 1 | grep -qE "[0-9]+ passed"; then echo "make test-portable: a stub passed" >&2; exit 1; fi
 
 # Runs on this machine's own Python (no .venv needed); root, mmdebstrap (installed when missing), ~2 GiB in /tmp.
 SUITE ?= bookworm

@@ -22,6 +22,11 @@ def cuda_present() -> bool:
     return any(os.path.exists(p) for p in ("/dev/nvidia0", "/dev/nvidiactl", "/dev/dxg"))
 
 
+if os.environ.get("LLMSYS_FORCE_NO_TRITON") == "1":  # the kit's own tests of a machine without Triton
+    from kit.portable import hide_triton
+
+    hide_triton()
+
 if "TRITON_INTERPRET" not in os.environ and not cuda_present():
     os.environ["TRITON_INTERPRET"] = "1"
 

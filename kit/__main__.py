@@ -52,9 +52,23 @@ def _grade_batch(args: argparse.Namespace, **kwargs) -> int:
     return 0
 
 
+def _refuse_to_grade(args: argparse.Namespace) -> str | None:
+    """Why this command cannot grade here (not Linux, the portable path, ``--inline``), or None."""
+    from kit.portable import grader_refusal
+
+    if getattr(args, "inline", False):
+        return ("--inline is for debugging one test with pytest (`.venv/bin/pytest --inline -k NAME`); a grade always "
+                "runs the checks in confined worker processes, never in the grading process")
+    return grader_refusal()
+
+
 def cmd_grade(args: argparse.Namespace) -> int:
     from kit.grading import processes, reporting, running
 
+    refusal = _refuse_to_grade(args)
+    if refusal is not None:
+        print(f"error: python -m kit grade: {refusal}", file=sys.stderr)
+        return 2
     processes.install_interrupt_handlers()
     _warn_below_floor()
     kwargs = dict(stages=_stages(args.stage), include_hidden=args.hidden, limits=_limits(args))
@@ -86,6 +100,10 @@ def cmd_autograde(args: argparse.Namespace) -> int:
     from kit.grading import processes
     from kit.grading.autograde import autograde
 
+    refusal = _refuse_to_grade(args)
+    if refusal is not None:
+        print(f"error: python -m kit autograde: {refusal}", file=sys.stderr)
+        return 2
     processes.install_interrupt_handlers()
     _warn_below_floor()
     data = autograde(Path(args.submission), Path(args.results), stages=_stages(args.stage), limits=_limits(args))
@@ -168,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--out", help="with --batch: where results and gradebook.csv go (default BATCH/_grades)")
     g.add_argument("--hidden", action="store_true", help="include the instructor-only hidden tests")
     _limit_options(g)
+    g.add_argument("--inline", action="store_true", help=argparse.SUPPRESS)  # refused, saying why (pytest's option)
     g.add_argument("--jobs", type=int, default=None,
                    help="with --batch: submissions graded in parallel (default 1); otherwise: groups of stages graded "
                         "side by side (default 2 with 2+ CPUs and 6 GiB free, else 1)")

@@ -46,8 +46,10 @@ ROOT = Path(__file__).resolve().parent.parent
 CONSTRAINTS = ROOT / "constraints-cpu.txt"
 # A CUDA machine brings its own builds of these: never install, replace or downgrade them there.
 KEPT_ON_GPU = ("torch", "triton", "numpy")
-# Missing on a CUDA machine is not fatal: nvtx falls back to torch.cuda.nvtx; the rest serve lint and notebooks.
-OPTIONAL_ON_GPU = ("nvtx", "pytest-xdist", "nbclient", "nbformat", "ipykernel", "jupytext", "ruff", "jupyterlab")
+# Missing on a CUDA machine is not fatal: nvtx falls back to torch.cuda.nvtx, Linux accounts for processes through
+# /proc without psutil (kit/spawn/watch.py); the rest serve lint and notebooks.
+OPTIONAL_ON_GPU = ("nvtx", "psutil", "pytest-xdist", "nbclient", "nbformat", "ipykernel", "jupytext", "ruff",
+                   "jupyterlab")
 # What `make lab` alone needs: an offline GPU machine runs the notebooks headless, so the wheelhouse for it leaves
 # these out (JupyterLab and its server add ~25 MiB to a folder that travels within 64 MiB).
 LAB_ONLY = ("jupyterlab",)
@@ -68,6 +70,20 @@ def requirements() -> list[str]:
     """Every requirement string of pyproject.toml: ``[project] dependencies`` and the ``dev`` extra."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     return list(project["dependencies"]) + list(project["optional-dependencies"]["dev"])
+
+
+def requirements_for(sys_platform: str, reqs: list[str] | None = None) -> list[str]:
+    """The requirements (default: :func:`requirements`) that apply on ``sys_platform`` (``"darwin"``, ``"win32"``,
+    ``"linux"``), their environment markers evaluated for it and dropped: what ``pip download --platform`` for that
+    platform must resolve (pip evaluates markers for the machine it runs on, not for ``--platform``)."""
+    system = {"darwin": "Darwin", "win32": "Windows", "linux": "Linux"}.get(sys_platform, sys_platform)
+    applicable = []
+    for text in requirements() if reqs is None else reqs:
+        req = Requirement(text)
+        if req.marker is None or req.marker.evaluate({"sys_platform": sys_platform, "platform_system": system}):
+            req.marker = None
+            applicable.append(str(req))
+    return applicable
 
 
 def constraints() -> list[str]:

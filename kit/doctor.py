@@ -42,7 +42,13 @@ def report() -> str:
     else:
         lines.append("  CUDA device none")
     interp = kit.triton_interpreted()
-    lines.append(f"  Triton mode {'interpreted (TRITON_INTERPRET=1)' if interp else 'compiled'}")
+    from kit.portable import NEEDS_TRITON, portable, triton_available
+
+    mode = "interpreted (TRITON_INTERPRET=1)" if interp else "compiled"
+    lines.append(f"  Triton mode {mode if triton_available() else 'none: its tests are skipped, ' + NEEDS_TRITON}")
+    workers = ("fresh processes (the portable path, kit/portable.py): local checks only, no grading" if portable()
+               else "forked from a warm zygote (Linux): local checks and grading")
+    lines.append(f"  workers     {workers}")
     nsys = shutil.which("nsys")
     lines.append(f"  nsys        {nsys or 'not on PATH'}")
     try:

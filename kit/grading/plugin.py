@@ -22,6 +22,10 @@ code under test: the tests hand named checks to worker processes and compare the
   ``--import-timeout``; one that hangs or fails at import is unavailable from then on, so the tests that use
   it fail at once, naming it and why, and every other test is graded as usual (:mod:`kit.grading.imports`).
 
+Outside grading it also gives pytest ``--inline`` (:func:`kit.spawn.parent.set_inline`): a test's checks run in this
+process, so that a ``breakpoint()`` in the implementation stops in the terminal. With ``--grading-log`` it is refused,
+and so is grading on the portable path or off Linux (:func:`kit.portable.grader_refusal`).
+
 It appends one JSON line per event to the log, flushed at once, so the grader still knows what passed
 if this process dies halfway:
 
@@ -58,6 +62,7 @@ import pytest
 from kit import stages as registry
 from kit.grading import timings
 from kit.grading.events import signer
+from kit.portable import grader_refusal
 from kit.sandbox import KEY_FD_ENV
 from kit.spawn import parent as workers
 from kit.spawn.confine import Rules, keep_out_of_reach
@@ -122,6 +127,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--failed-imports", default=None, help="JSON {module: reason}: modules already known not to import")
     group.addoption("--judge-cpu-limit", type=float, default=JUDGE_CPU_LIMIT,
                     help="while grading, most CPU-seconds this process may spend on a test's setup and call (0: none)")
+    parser.getgroup("kit debugging").addoption(
+        "--inline", action="store_true", default=False,
+        help="debug a test: run its checks in this process (rank 0 of a spawn too, its other ranks in workers), so "
+             "that breakpoint() in your code stops here; no time limits. Never in a grade.")
 
 
 def _write(event: dict) -> None:
@@ -151,6 +160,12 @@ def _read_key() -> str:
 
 def pytest_configure(config: pytest.Config) -> None:
     path = config.getoption("--grading-log")
+    if path and config.getoption("--inline"):
+        raise pytest.UsageError("--inline is for debugging a test with pytest; a grade (--grading-log) always runs the "
+                                "checks in confined worker processes, never in the grading process")
+    if path and grader_refusal() is not None:
+        raise pytest.UsageError(f"cannot grade here: {grader_refusal()}")
+    workers.set_inline(bool(config.getoption("--inline")))
     key = _read_key()  # before any worker is started
     _State.sign = staticmethod(signer(key.encode()))
     cap = config.getoption("--per-test-timeout") or 0.0
@@ -173,6 +188,10 @@ def pytest_configure(config: pytest.Config) -> None:
         if limit > 0 and hasattr(signal, "ITIMER_PROF") and threading.current_thread() is threading.main_thread():
             _State.judge_cpu_limit = limit
             signal.signal(signal.SIGPROF, _judge_cpu_spent)
+
+
+def pytest_enter_pdb(config: pytest.Config, pdb) -> None:
+    workers.note_debugger(pdb)  # pytest --inline: quitting it ends the check, whatever the check catches
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
@@ -266,7 +285,10 @@ def pytest_runtest_setup(item: pytest.Item):
     # on purpose (the kit's own tests of the idle limit) may shorten its idle limit with @pytest.mark.idle_limit(s).
     marker = item.get_closest_marker("idle_limit")
     idle = min(_State.idle, float(marker.args[0])) if marker else _State.idle
-    workers.set_allowance(workers.Allowance(cpu=budget.cpu, idle=idle, wall=budget.run))
+    if workers.inline():  # someone may be stepping through it: no limit
+        workers.set_allowance(workers.Allowance(idle=float("inf")))
+    else:
+        workers.set_allowance(workers.Allowance(cpu=budget.cpu, idle=idle, wall=budget.run))
     _State.cpu_at_phase_start = 0.0
     _State.judge_cpu_left, _State.judge_cpu_spent = _State.judge_cpu_limit, False
     with _judge_cpu_metered():
@@ -284,7 +306,7 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem):
     try:
         return (yield)
     finally:
-        workers.set_allowance(workers.Allowance(idle=_State.idle))
+        workers.set_allowance(workers.Allowance(idle=float("inf") if workers.inline() else _State.idle))
         if _State.judge_cpu_spent:  # stopped anywhere, even inside a request: the next test starts fresh workers
             _State.leftovers += workers.shutdown()
 

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import re
+from collections import Counter
 
 from kit import stages as registry
 from kit.grading.scoring import ROOT, GradeResult, TestResult
+from kit.portable import NEEDS_TRITON
 
 
 def gradescope_json(result: GradeResult, extra: dict | None = None) -> dict:
@@ -27,7 +29,7 @@ def gradescope_json(result: GradeResult, extra: dict | None = None) -> dict:
                 "number": str(i + 1),
                 "score": t.score,
                 "max_score": t.points,
-                "status": t.status,
+                "status": "passed" if t.status == "passed" else "failed",  # Gradescope knows these two
                 "output": t.output[-8000:],
                 "tags": [f"stage{t.stage}", *([f"P{t.problem}"] if t.problem else [])],
                 "visibility": "after_published" if t.hidden else "visible",
@@ -77,9 +79,14 @@ def format_table(result: GradeResult) -> str:
         lines.append(f"| {stage:<5} | {_title(stage):<{width}} | {passed:>3}/{n:<3} | {pts:>5g}/{max_pts:<5g} |")
     lines.append(f"| Total | {'':<{width}} | {sum(t.status == 'passed' for t in result.tests):>3}/"
                  f"{len(result.tests):<3} | {result.score:>5g}/{result.max_score:<5g} |")
+    skipped = Counter(t.stage for t in result.tests if t.status == "skipped")
+    if skipped:  # a machine without Triton: those tests did not run (not a failure of the submission)
+        lines.append("")
+        lines += [f"Stage {stage}: {n} of {stages[stage][1]} tests skipped: {NEEDS_TRITON}"
+                  for stage, n in sorted(skipped.items())]
     if result.message:
         lines += ["", f"Note: {result.message}"]
-    failed = [t for t in result.tests if t.status != "passed"]
+    failed = [t for t in result.tests if t.status == "failed"]
     if failed:
         stage = min(t.stage for t in failed)
         seen: dict[str, list[str]] = {}

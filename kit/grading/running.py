@@ -32,16 +32,22 @@ from kit import stages as registry
 from kit.grading import processes, scoring, timings
 from kit.grading.events import Activity, RunRecord, SignedLog
 from kit.grading.staging import ROOT, stage_submission
+from kit.portable import grader_refusal
 from kit.sandbox import KEY_FD_ENV
 
 SECRET_HINTS = ("TOKEN", "SECRET", "PASSWORD", "PASSWD", "CREDENTIAL", "API_KEY", "PRIVATE_KEY", "AWS_", "GITHUB_")
 ALLOWED_ENV = {"PATH", "LANG", "LC_ALL", "LC_CTYPE", "TERM", "TZ", "USER", "LOGNAME", "SHELL", "VIRTUAL_ENV",
-               "LD_LIBRARY_PATH", "CUDA_VISIBLE_DEVICES", "GLOO_SOCKET_IFNAME", "OMP_NUM_THREADS", "MKL_NUM_THREADS"}
+               "LD_LIBRARY_PATH", "CUDA_VISIBLE_DEVICES", "GLOO_SOCKET_IFNAME", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
+               "LLMSYS_FORCE_NO_TRITON"}  # the kit's own tests of a grade on a machine without Triton (kit.portable)
 ALLOWED_PREFIXES = ("TRITON_", "NCCL_", "CUDA_", "NVIDIA_", "TORCH_")
 OUTPUT_TAIL_BYTES = 64_000
 MAX_RESUMES = 8
 LINGER = 30.0  # seconds a child that finished may take to exit (student threads that never end)
 POLL = 0.25
+
+
+class GraderPlatformError(RuntimeError):
+    """This machine cannot grade: not Linux, or the portable path forced (:func:`kit.portable.grader_refusal`)."""
 
 
 @dataclass
@@ -302,6 +308,9 @@ def run_suite(tree: Path, impl: str, *, stages: list[int] | None = None, include
     With ``jobs`` > 1 the stages are split into that many groups (:func:`stage_groups`), each graded by its own
     judge at the same time (a test mostly waits on its workers, so two judges use two CPUs); the results merge
     into one. Each group has every limit a whole run has: the limits are per test, the timeout per submission."""
+    refusal = grader_refusal()
+    if refusal is not None:
+        raise GraderPlatformError(refusal)
     processes.become_subreaper()
     limits = limits or Limits()
     groups = stage_groups(stages or [s.number for s in registry.STAGES], jobs, tree) if jobs > 1 else [stages]

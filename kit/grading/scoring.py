@@ -14,6 +14,7 @@ from pathlib import Path
 
 from kit import stages as registry
 from kit.grading.events import RunRecord
+from kit.portable import NEEDS_TRITON
 
 ROOT = Path(__file__).resolve().parents[2]
 PHASES = ("setup", "call", "teardown")
@@ -26,7 +27,7 @@ class TestResult:
     points: float
     hidden: bool
     score: float = 0.0
-    status: str = "failed"  # passed | failed
+    status: str = "failed"  # passed | failed | skipped (needs what this machine lacks: kit.portable.NEEDS_TRITON)
     output: str = ""
     doc: str = ""
     problem: str = ""  # handout problem number, e.g. "3.7"; "" when no problem names the test
@@ -107,8 +108,11 @@ def score(record: RunRecord, problems: dict[tuple[int, str], str]) -> list[TestR
         phases = record.reports.get(t.nodeid, {})
         t.durations = ([float(phases.get(w, {}).get("duration", 0.0)) for w in PHASES]
                        + [float(phases.get(w, {}).get("cpu", 0.0)) for w in PHASES[:2]])
+        skipped = [p for p in phases.values() if p["outcome"] == "skipped" and NEEDS_TRITON in p.get("longrepr", "")]
         if all(phases.get(w, {}).get("outcome") == "passed" for w in PHASES):
             t.status, t.score = "passed", t.points
+        elif skipped:  # not a failure of the submission, not a pass either: this machine cannot run it
+            t.status, t.output = "skipped", f"skipped: {NEEDS_TRITON}"
         else:
             failed = [p for p in phases.values() if p["outcome"] != "passed"]
             if failed:

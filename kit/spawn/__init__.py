@@ -6,7 +6,8 @@ Each rank is a worker process joined into one ``torch.distributed`` process grou
 
 * **Warm, not fresh.** Ranks are forked from a zygote that imported torch once (:mod:`kit.spawn.zygote`),
   so 8 ranks start in a fraction of a second instead of importing torch 8 times. Each rank is still its
-  own process: a rank's state never leaks into the next spawn.
+  own process: a rank's state never leaks into the next spawn. (On the portable path — macOS, or
+  ``LLMSYS_PORTABLE=1`` — each rank is a fresh interpreter instead: :mod:`kit.spawn.fresh`, :mod:`kit.portable`.)
 * **No ports to collide.** Ranks meet through a ``FileStore`` in a private temporary folder; gloo then
   connects them over loopback on ports the operating system picks. Two test runs side by side never race.
 * **gloo on CPU, NCCL on GPU.** ``backend=None`` picks NCCL when there are at least ``world_size``

@@ -28,8 +28,11 @@ from pathlib import Path
 from types import FunctionType
 from typing import Any
 
+from kit.portable import portable
+
 from . import wire
 from .confine import Rules
+from .fresh import Spawner
 from .watch import TreeWatch
 from .zygote import PRELOAD, TRAINING_PRELOAD, Child, Zygote
 
@@ -88,13 +91,49 @@ class LimitExceeded(RuntimeError):
 class _Workers:
     rules: Rules | None = None
     scratch: dict[bool, Path] = field(default_factory=dict)  # trusted? → its zygote's scratch folder
-    zygotes: dict[bool, Zygote] = field(default_factory=dict)  # trusted? → the zygote
+    zygotes: dict[bool, Zygote | Spawner] = field(default_factory=dict)  # trusted? → the zygote (or spawner)
     worker: Child | None = None
     unavailable: dict[str, str] = field(default_factory=dict)  # module → why it cannot be imported
     lock: threading.RLock = field(default_factory=threading.RLock)
 
 
 _workers = _Workers()
+_inline = False  # pytest --inline: the implementation's checks run in this process (see set_inline)
+
+
+def set_inline(on: bool) -> None:
+    """``pytest --inline``, for debugging one test: from now on a single-process check runs in this process, and
+    rank 0 of a spawn too (the other ranks in workers, as usual), so that a ``breakpoint()`` in the implementation
+    stops in the terminal. The grader refuses it (:mod:`kit.grading.plugin`): a check run here is neither
+    confined nor limited, and a submission's code would run in the process that decides."""
+    global _inline
+    _inline = on
+
+
+def inline() -> bool:
+    return _inline
+
+
+_debuggers: list[Any] = []  # the pdb sessions opened while a check runs inline (the grading plugin notes them)
+
+
+def note_debugger(pdb: Any) -> None:
+    """A pdb session opened (pytest's ``pytest_enter_pdb``): if the person quits it, the inline check ends."""
+    _debuggers.append(pdb)
+
+
+def _debugger_quit() -> bool:
+    return any(getattr(pdb, "quitting", False) for pdb in _debuggers)
+
+
+def _end_if_the_debugger_quit() -> None:
+    """After an inline check: ``q`` in pdb ends the pytest session, even where the check caught what pdb raised (a
+    check that records what a call raised catches every exception)."""
+    quit_, _debuggers[:] = _debugger_quit(), []
+    if quit_:
+        import pytest
+
+        pytest.exit("Quitting debugger")
 
 
 def confine_workers(rules: Rules | None) -> None:
@@ -135,10 +174,11 @@ def _scratch(trusted: bool = False) -> Path:
     return folder
 
 
-def _zygote(trusted: bool = False) -> Zygote:
+def _zygote(trusted: bool = False) -> Zygote | Spawner:
     """The zygote of the workers that run the implementation, or (``trusted``) of the reference ranks, which
     never load it: a distributed reference (torch's DDP, ``fully_shard``) computed by the judge's own code,
-    out of reach of the submission's processes (another scratch folder, another confinement domain)."""
+    out of reach of the submission's processes (another scratch folder, another confinement domain). On the
+    portable path (:mod:`kit.portable`), a :class:`~kit.spawn.fresh.Spawner` instead: fresh interpreters."""
     with _workers.lock:
         zygote = _workers.zygotes.get(trusted)
         if zygote is None or not zygote.alive():
@@ -157,8 +197,11 @@ def _zygote(trusted: bool = False) -> Zygote:
             from .worker import in_worker
 
             preload = PRELOAD if in_worker() else PRELOAD + TRAINING_PRELOAD
-            zygote = _workers.zygotes[trusted] = Zygote(scratch, None if trusted else rules, env, preload,
-                                                        contain=_workers.rules is not None)
+            if portable():  # never a grade (kit.portable.grader_refusal): nothing to confine or contain
+                zygote = _workers.zygotes[trusted] = Spawner(env)
+            else:
+                zygote = _workers.zygotes[trusted] = Zygote(scratch, None if trusted else rules, env, preload,
+                                                            contain=_workers.rules is not None)
         return zygote
 
 
@@ -219,6 +262,17 @@ def _ask(child: Child, request: dict) -> None:
         child.conn.recv_bytes(wire.MAX_BYTES)  # its acknowledgement
 
 
+def _stop(children: list[Child]) -> None:
+    """SIGKILL each child and what it started (its channel and files stay open: what it sent can still be read)."""
+    for child in children:
+        if child.is_live_child():
+            for pid in TreeWatch([child.pid]).pids():
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+
+
 def _kill(children: list[Child]) -> None:
     for child in children:
         try:
@@ -226,12 +280,10 @@ def _kill(children: list[Child]) -> None:
         except OSError:
             pass
         child.close_files()
-        if child.is_live_child():
-            for pid in TreeWatch([child.pid]).pids():
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except OSError:
-                    pass
+    _stop(children)
+    for zygote in list(_workers.zygotes.values()):  # a spawner reaps its own children (kit.spawn.fresh)
+        if isinstance(zygote, Spawner):
+            zygote.poll_exits()
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -296,12 +348,13 @@ STACK_BYTES = 1 << 20  # a stack dump longer than this is a worker flooding its 
 
 
 def _exit_code(child: Child) -> int | None:
-    zygote = next((z for z in _workers.zygotes.values() if z.process.pid == child.zygote_pid), None)
+    zygotes = list(_workers.zygotes.values())
     deadline = time.monotonic() + 1.0
-    while zygote is not None and time.monotonic() < deadline:
-        zygote.poll_exits()
-        if child.pid in zygote.exit_codes:
-            return zygote.exit_codes[child.pid]
+    while zygotes and time.monotonic() < deadline:
+        for zygote in zygotes:
+            zygote.poll_exits()
+            if child.pid in zygote.exit_codes:
+                return zygote.exit_codes[child.pid]
         time.sleep(0.02)
     return None
 
@@ -322,6 +375,9 @@ def collect(children: list[Child], *, timeout: float, stop_early: bool = True) -
     pending = {child.conn: r for r, child in enumerate(children)}
     watch = TreeWatch([c.pid for c in children])
     budget = _allowance
+    startup = sum(c.startup_cpu for c in children)  # fresh interpreters' imports (kit.spawn.fresh), once each
+    for child in children:
+        child.startup_cpu = 0.0
     stop_at = None
     while pending:
         for conn in wait(list(pending), timeout=POLL_S):
@@ -350,7 +406,7 @@ def collect(children: list[Child], *, timeout: float, stop_early: bool = True) -
         if stop_at is not None and now >= stop_at:
             break
         if pending:
-            if budget.spent + outcome.cpu > budget.cpu:
+            if budget.spent + outcome.cpu > budget.cpu + startup:
                 outcome.limit = "cpu"
             elif watch.idle_for() > budget.idle:
                 outcome.limit = "idle"
@@ -382,6 +438,8 @@ def spawn(fn: Callable[..., Any], world_size: int, backend: str, args: tuple, kw
           timeout: float, *, trusted: bool = False) -> Outcome:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` fresh ranks joined in one process group (``trusted``:
     reference ranks, which cannot load the implementation; see :func:`_zygote`)."""
+    if _inline and not trusted:
+        return _spawn_inline(fn, world_size, backend, args, kwargs)
     folder = Path(tempfile.mkdtemp(prefix="ranks-", dir=_scratch(trusted)))
     children: list[Child] = []
     try:
@@ -396,10 +454,82 @@ def spawn(fn: Callable[..., Any], world_size: int, backend: str, args: tuple, kw
         shutil.rmtree(folder, ignore_errors=True)
 
 
+def _spawn_inline(fn: Callable[..., Any], world_size: int, backend: str, args: tuple, kwargs: dict) -> Outcome:
+    """:func:`spawn` with rank 0 in this process, in the foreground (:func:`set_inline`): ranks 1… start first, in
+    workers, and are collected by a thread, which stops them if one fails (so that rank 0 is not left waiting in
+    a collective). No limit applies: a person may be stepping through rank 0."""
+    from .worker import peers_stopped, rank_inline
+
+    folder = Path(tempfile.mkdtemp(prefix="ranks-", dir=_scratch()))
+    children: list[Child] = []
+    others: list[Outcome] = []
+    request = {"op": "rank", "fn": fn, "args": args, "kwargs": kwargs, "world_size": world_size, "backend": backend,
+               "folder": str(folder), "timeout": float("inf")}
+
+    def collect_others() -> None:
+        others.append(collect(children, timeout=float("inf")))
+        if others[0].errors_first or others[0].died or others[0].limit:
+            _kill(children)
+            peers_stopped.set()  # rank 0 may be waiting for them between checks (kit.checks)
+
+    def stop_others_when_the_debugger_quits() -> None:
+        # A check may catch what quitting pdb raises and go on: rank 0 then waits for ranks in a collective it left.
+        while thread.is_alive():
+            if _debugger_quit():
+                _stop(children)
+                peers_stopped.set()
+                return
+            time.sleep(0.2)
+
+    thread = threading.Thread(target=collect_others, name="kit-inline-ranks", daemon=True)
+    try:
+        for rank in range(1, world_size):
+            children.append(_fork(f"rank{rank}"))
+        for rank, child in enumerate(children, start=1):
+            _ask(child, {**request, "rank": rank, "breakpoints": False})  # no terminal there: pdb would quit
+        thread.start()
+        threading.Thread(target=stop_others_when_the_debugger_quits, name="kit-inline-quit", daemon=True).start()
+        final, checks = rank_inline({**request, "rank": 0})
+        if final.get("ok") is not True:
+            _stop(children)  # they may be waiting for rank 0 in a collective it left
+    except BaseException:  # Ctrl-C, quitting the debugger
+        _stop(children)
+        raise
+    finally:
+        if thread.is_alive():
+            thread.join()
+        _kill(children)
+        shutil.rmtree(folder, ignore_errors=True)
+    _end_if_the_debugger_quit()
+    outcome = Outcome(world_size)
+    outcome.finals[0], outcome.checks[0] = final, checks
+    rest = others[0] if others else Outcome(len(children))
+    for r in range(1, world_size):
+        if r - 1 in rest.finals:
+            outcome.finals[r] = rest.finals[r - 1]
+        outcome.checks[r] = rest.checks[r - 1]
+        for mine, theirs in ((outcome.died, rest.died), (outcome.stacks, rest.stacks), (outcome.stderr, rest.stderr)):
+            if r - 1 in theirs:
+                mine[r] = theirs[r - 1]
+        if r not in outcome.finals and r not in outcome.died:  # never answered (its collector itself failed)
+            outcome.died[r] = None
+    outcome.limit, outcome.limits, outcome.cpu, outcome.seconds = rest.limit, rest.limits, rest.cpu, rest.seconds
+    outcome.errors_first = [r for r, final in outcome.finals.items() if final.get("ok") is not True]
+    outcome.errors_first.sort(key=lambda r: wire.field(outcome.finals[r], "sent", float, float("inf")))
+    return outcome
+
+
 def call(fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None, *, timeout: float = 600.0,
          op: str = "call") -> Outcome:
     """Run ``fn(*args, **kwargs)`` in this process's persistent worker (started on first use; replaced
-    after it hung, ran away or died)."""
+    after it hung, ran away or died); inline (:func:`set_inline`), a call runs in this process."""
+    if _inline and op == "call":
+        from .worker import call_inline
+
+        outcome = Outcome(1)
+        outcome.finals[0] = call_inline(fn, tuple(args), dict(kwargs or {}))
+        _end_if_the_debugger_quit()
+        return outcome
     with _workers.lock:
         if _workers.worker is None:
             _workers.worker = _fork("worker")

@@ -16,8 +16,9 @@ that the machine's load does not move:
 
 A wall-clock limit stays as the last resort (the caller's ``timeout``), far above both.
 
-Linux reads ``/proc``; elsewhere there is no CPU accounting of other processes and only the wall clock
-limits a check.
+Linux reads ``/proc``. The portable path (:mod:`kit.portable`: macOS, or ``LLMSYS_PORTABLE=1``) asks psutil
+instead, the same figures through each system's own interface; without psutil there is no CPU accounting of
+other processes and only the wall clock limits a check.
 """
 
 from __future__ import annotations
@@ -28,10 +29,18 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-__all__ = ["Budget", "TreeWatch"]
+from kit.portable import portable
+
+try:
+    import psutil
+except ImportError:  # a GPU image without it: /proc on Linux; elsewhere, no accounting
+    psutil = None
+
+__all__ = ["ACCOUNTED", "Budget", "TreeWatch", "parent_pid"]
 
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-HAS_PROC = sys.platform.startswith("linux") and os.path.isdir("/proc/self")
+HAS_PROC = sys.platform.startswith("linux") and os.path.isdir("/proc/self") and not portable()
+ACCOUNTED = HAS_PROC or psutil is not None  # whether other processes' CPU and parents can be read at all
 WINDOW_S = 5.0  # progress is judged over the last few seconds, not one sample
 MIN_RATE = 0.02  # of one core: a blocked tree's polling uses ~0.6 %
 
@@ -46,7 +55,10 @@ class Budget:
 
 
 def _stat(pid: int) -> tuple[int, str, float] | None:
-    """(parent pid, state, CPU seconds including reaped children) of a process, or None if it is gone."""
+    """(parent pid, state, CPU seconds including reaped children) of a process, or None if it is gone (or
+    cannot be read: no /proc and no psutil)."""
+    if not HAS_PROC:
+        return _stat_psutil(pid)
     try:
         with open(f"/proc/{pid}/stat") as f:
             fields = f.read().rsplit(")", 1)[1].split()
@@ -54,6 +66,35 @@ def _stat(pid: int) -> tuple[int, str, float] | None:
         return None
     utime, stime, cutime, cstime = (int(x) for x in fields[11:15])
     return int(fields[1]), fields[0], (utime + stime + cutime + cstime) / _TICK
+
+
+def _stat_psutil(pid: int) -> tuple[int, str, float] | None:
+    if psutil is None:
+        return None
+    try:
+        process = psutil.Process(pid)
+        with process.oneshot():
+            times = process.cpu_times()
+            state = "Z" if process.status() == psutil.STATUS_ZOMBIE else "R"
+            return process.ppid(), state, times.user + times.system + times.children_user + times.children_system
+    except (psutil.Error, OSError):
+        return None
+
+
+def parent_pid(pid: int) -> int | None:
+    """The parent of process ``pid``; None if it is gone or cannot be read."""
+    info = _stat(pid)
+    return info[0] if info is not None else None
+
+
+def _descendants_psutil(roots: list[int]) -> list[int]:
+    found = list(roots)
+    for root in roots:
+        try:
+            found += [c.pid for c in psutil.Process(root).children(recursive=True) if c.pid not in found]
+        except (psutil.Error, OSError):
+            pass
+    return found
 
 
 def _children_map() -> dict[int, list[int]]:
@@ -79,13 +120,13 @@ class TreeWatch:
     def __post_init__(self) -> None:
         # What already ran (the persistent worker, a zygote it started earlier) counts from now: its CPU so far
         # was earlier requests'.
-        self.baseline = {pid: info[2] for pid in (self.pids() if HAS_PROC else [])
+        self.baseline = {pid: info[2] for pid in (self.pids() if ACCOUNTED else [])
                          if (info := _stat(pid)) is not None}
 
     def pids(self) -> list[int]:
         """The roots and their live descendants."""
         if not HAS_PROC:
-            return list(self.roots)
+            return _descendants_psutil(self.roots) if psutil is not None else list(self.roots)
         children = _children_map()
         found, todo = [], list(self.roots)
         while todo:
@@ -98,7 +139,7 @@ class TreeWatch:
 
     def sample(self) -> float:
         """Read the tree now; return its CPU seconds so far (since the roots started)."""
-        if not HAS_PROC:
+        if not ACCOUNTED:
             return 0.0
         for pid in self.pids():
             info = _stat(pid)
@@ -117,8 +158,8 @@ class TreeWatch:
         return sum(self.cpu_seen.values())
 
     def idle_for(self) -> float:
-        """Seconds since the tree last made progress (see the module docstring; 0 where there is no /proc)."""
-        return time.monotonic() - self.last_progress if HAS_PROC else 0.0
+        """Seconds since the tree last made progress (see the module docstring; 0 where nothing is accounted)."""
+        return time.monotonic() - self.last_progress if ACCOUNTED else 0.0
 
     def wall(self) -> float:
         return time.monotonic() - self.started

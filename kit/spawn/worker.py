@@ -7,7 +7,8 @@ message of data. Requests:
 * ``{"op": "call", "fn", "args", "kwargs"}`` — run ``fn(*args, **kwargs)``; answer its value or its failure.
   A persistent worker serves call after call (the single-process checks of a whole session);
 * ``{"op": "rank", "fn", "args", "kwargs", "rank", "world_size", "backend", "folder", "timeout"}`` — join a
-  process group as one rank, run the function once, answer, leave the group and exit;
+  process group as one rank, run the function once, answer, leave the group and exit (``"breakpoints": False``:
+  beside a rank 0 that runs in the judge, ``pytest --inline``, where ``breakpoint()`` does nothing);
 * ``{"op": "import", "name"}`` — import a module (the grader's import check of a stage);
 * ``{"op": "unavailable", "modules": {name: why}}`` — from now on, importing one of these modules fails at
   once with ``why`` (a module known to hang or fail at import, so a later stage that uses it says so
@@ -16,6 +17,10 @@ message of data. Requests:
 Answers are dicts: ``{"ok": True, "value": …}`` or ``{"ok": False, "failure": {type, kind, message,
 traceback}}``. While a rank runs :func:`kit.checks.run_checks`, each finished check is sent at once as
 ``{"check": name, "ok": …}``: a hang later in the spawn keeps the checks that finished.
+
+``pytest --inline`` (:func:`kit.spawn.parent.set_inline`) runs the same requests in the judge's own process
+instead, so that ``breakpoint()`` stops in the terminal: :func:`call_inline` for a call, :func:`rank_inline` for
+rank 0 of a spawn, with the arguments and answers copied as if they had travelled.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import os
 import pickle
 import signal
 import sys
+import threading
 import time
 import traceback
 from multiprocessing.connection import Connection
@@ -38,6 +44,10 @@ from . import checkbook, wire
 __tracebackhide__ = True
 
 _channel: Connection | None = None  # this worker's channel to the judge (None outside a worker)
+# While rank 0 of a spawn runs in the judge's own process (``pytest --inline``): the checks it reported, and
+# whether the other ranks were stopped (one failed or died: rank 0 must not wait for them between checks).
+_inline_checks: dict[str, tuple[bool, Any]] | None = None
+peers_stopped = threading.Event()
 _JUDGE_MAIN = "__kit_judge_main__"  # where the judge's script is loaded, the first time one of its functions is
 
 
@@ -84,6 +94,8 @@ def report_check(name: str, ok: bool, payload: Any) -> None:
     if _channel is not None:
         answer = _untampered({"ok": ok, **({"value": payload} if ok else {"failure": payload})})
         send({"check": name, **answer})
+    elif _inline_checks is not None:  # a copy, as the judge would have read it from a worker
+        _inline_checks[name] = (ok, wire.decode(wire.encode(payload)))
 
 
 def from_main(module: str | None, path: str | None, qualname: str) -> Any:
@@ -110,6 +122,11 @@ def in_worker() -> bool:
     return _channel is not None
 
 
+def in_rank() -> bool:
+    """Whether this process is a rank of a spawn: a worker's, or rank 0 run inline in the judge (``--inline``)."""
+    return _channel is not None or _inline_checks is not None
+
+
 class _Unavailable(importlib.abc.MetaPathFinder):
     """Fails the import of modules known to hang or fail, at once and saying why."""
 
@@ -126,22 +143,70 @@ class _Unavailable(importlib.abc.MetaPathFinder):
 _unavailable = _Unavailable()
 
 
-def _run(fn, args, kwargs) -> dict:
+def _run(fn, args, kwargs, reraise: tuple[type[BaseException], ...] = ()) -> dict:
     """``fn``'s value as data, or its failure; a value that is not data fails, naming the part that is not. Nothing
-    is taken from a process whose checks were tampered with (:mod:`kit.spawn.checkbook`), before or after."""
+    is taken from a process whose checks were tampered with (:mod:`kit.spawn.checkbook`), before or after.
+    ``reraise``: exceptions that are not a failure of ``fn`` but the user's (inline: Ctrl-C, quitting the debugger)."""
     tampered = _untampered({"ok": True})
     if tampered["ok"] is not True:
         return tampered
     try:
         return _untampered({"ok": True, "value": wire.normalise(fn(*args, **kwargs),
                                                                 f"what {getattr(fn, '__name__', fn)} returned")})
+    except reraise:
+        raise
     except (KeyboardInterrupt, SystemExit) as exc:
         return {"ok": False, "failure": error_report(exc)}
     except BaseException as exc:  # noqa: BLE001 — pytest.fail raises a BaseException too
         return {"ok": False, "failure": error_report(exc)}
 
 
-def _rank(request: dict) -> dict:
+def user_stops() -> tuple[type[BaseException], ...]:
+    """What a person debugging inline raises to stop: Ctrl-C, or ``q`` in pdb (``bdb.BdbQuit``; under pytest, its
+    pdb exits the session). Never a failure of the check it interrupts."""
+    import bdb
+
+    stops: tuple[type[BaseException], ...] = (KeyboardInterrupt, bdb.BdbQuit)
+    try:
+        from _pytest.outcomes import Exit
+    except ImportError:  # not under pytest
+        return stops
+    return (*stops, Exit)
+
+
+def call_inline(fn, args: tuple, kwargs: dict) -> dict:
+    """``pytest --inline``: :func:`_run` in the judge's own process, so a ``breakpoint()`` in the implementation stops
+    in the terminal. The arguments are copied as a worker receives them (pickled) and the answer as the judge
+    reads one (:mod:`kit.spawn.wire`): a check cannot change the judge's tensors, nor the judge the check's."""
+    args, kwargs = pickle.loads(pickle.dumps((args, kwargs)))
+    return wire.decode(wire.encode(_run(fn, args, kwargs, user_stops())))
+
+
+def rank_inline(request: dict) -> tuple[dict, dict[str, tuple[bool, Any]]]:
+    """``pytest --inline``: be rank ``request["rank"]`` of a spawn in the judge's own process (the other ranks are
+    workers). Returns the final answer and the checks reported on the way; the process group is left, and the
+    environment is as it was before."""
+    global _inline_checks
+    names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "KIT_RANK_FOLDER")
+    saved = {name: os.environ.get(name) for name in names}
+    peers_stopped.clear()
+    _inline_checks = {}
+    args, kwargs = pickle.loads(pickle.dumps((request["args"], request["kwargs"])))
+    request = {**request, "args": args, "kwargs": kwargs}
+    try:
+        answer = wire.decode(wire.encode({**_rank(request, user_stops()), "sent": time.monotonic()}))
+        return answer, _inline_checks
+    finally:
+        _inline_checks = None
+        _leave_process_group()
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def _rank(request: dict, reraise: tuple[type[BaseException], ...] = ()) -> dict:
     import datetime
 
     import torch
@@ -152,6 +217,8 @@ def _rank(request: dict) -> dict:
     rank, world = request["rank"], request["world_size"]
     torch.set_num_threads(1)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), KIT_RANK_FOLDER=request["folder"])
+    if request.get("breakpoints") is False:  # a rank beside rank 0 inline (pytest --inline): breakpoint() does nothing
+        os.environ["PYTHONBREAKPOINT"] = "0"
     try:
         if request["backend"] == "nccl":
             torch.cuda.set_device(rank % torch.cuda.device_count())
@@ -164,7 +231,7 @@ def _rank(request: dict) -> dict:
         dist.barrier()
     except BaseException as exc:  # noqa: BLE001
         return {"ok": False, "failure": error_report(exc)}
-    return _run(request["fn"], request["args"], request["kwargs"])
+    return _run(request["fn"], request["args"], request["kwargs"], reraise)
 
 
 def _leave_process_group() -> None:

@@ -225,6 +225,7 @@ class Child:
     stacks: int  # where its faulthandler writes its Python stack when the judge asks (SIGUSR1)
     zygote_pid: int
     forwarded: dict[int, int] = field(default_factory=dict)  # bytes of stdout/stderr already passed on
+    startup_cpu: float = 0.0  # CPU it may spend starting, beyond its first request's budget (kit.spawn.fresh)
 
     @staticmethod
     def size(fd: int) -> int:
@@ -253,12 +254,12 @@ class Child:
 
     def is_live_child(self) -> bool:
         """Whether this pid is still the zygote's child (checked before the judge signals it: a pid the
-        zygote reported may since have been reused, and a tampered zygote may have lied)."""
-        try:
-            with open(f"/proc/{self.pid}/stat") as f:
-                return int(f.read().rsplit(")", 1)[1].split()[1]) == self.zygote_pid
-        except (OSError, ValueError, IndexError):
-            return not sys.platform.startswith("linux")  # no /proc: trust the pid
+        zygote reported may since have been reused, and a tampered zygote may have lied). Through ``/proc``, or
+        psutil on the portable path (:mod:`kit.spawn.watch`)."""
+        from .watch import ACCOUNTED, parent_pid
+
+        parent = parent_pid(self.pid)
+        return parent == self.zygote_pid if parent is not None else not ACCOUNTED  # no accounting: trust the pid
 
 
 class Zygote:

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from kit.portable import portable
 from kit.spawn import RankFailedError, RankTimeoutError, parent, run_on_ranks
 
 
@@ -64,6 +65,7 @@ def _warm_modules() -> list[bool]:
     return ["torch._dynamo" in sys.modules, "torch.optim" in sys.modules]
 
 
+@pytest.mark.skipif(portable(), reason="the portable path starts fresh interpreters: no zygote preloads for them")
 def test_ranks_start_with_the_optimizers_imported() -> None:
     # A process's first optimizer imports torch._dynamo (2.4 s of CPU per rank on 2 cores): the zygote pays it once.
     assert run_on_ranks(_warm_modules, 2, timeout=60) == [[True, True]] * 2

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import pytest
 
 from kit import impl, library_rules
+from kit.portable import NEEDS_TRITON, triton_missing_error
 
 Judge = Callable[[pytest.FixtureRequest], list[dict]]
 _JUDGES: dict[str, Judge] = {}
@@ -79,6 +80,8 @@ def verdict(key: str, request: pytest.FixtureRequest) -> Verdict:
         try:
             violations = fn(request)
         except Exception as exc:  # noqa: BLE001 — a stub or a crash: the behaviour tests report it
+            if triton_missing_error("ModuleNotFoundError", str(exc)):  # macOS: its tests are skipped, this one too
+                pytest.skip(NEEDS_TRITON)
             violations = []
             result.unchecked = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
     if violations or static:
