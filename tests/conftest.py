@@ -36,15 +36,6 @@ if TYPE_CHECKING:
 TESTS = Path(__file__).resolve().parent
 
 
-def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addoption(
-        "--impl",
-        default=None,
-        choices=impl_module.CHOICES,
-        help=f"implementation to grade: student (default) or reference; ${impl_module.ENV_VAR} works too",
-    )
-
-
 def pytest_configure(config: pytest.Config) -> None:
     for stage in registry.STAGES:
         config.addinivalue_line("markers", f"{stage.marker}: Stage {stage.number} — {stage.title}")

@@ -14,8 +14,9 @@ output) it also passes the tests that look for launched kernels. Only these rule
   dq, dk and dv must each be **written** by a launched kernel that does the matrix work. "Written" is measured,
   not guessed from the arguments: the worker compares the bytes of every tensor a launch received before and
   after it, and follows copies, casts, sums and scaling in PyTorch from a written tensor to the graded one
-  (:class:`_Lineage`). "The matrix work": the kernel's source, or a ``@triton.jit`` function it calls, calls
-  ``tl.dot`` — what puts ``tt.dot`` in its IR — or it executed one (the interpreter), or its compiled IR holds
+  (:class:`~tests.support.lineage.Lineage`). "The matrix work": the kernel's source, or a ``@triton.jit``
+  function it calls, calls ``tl.dot`` — what puts ``tt.dot`` in its IR — or it executed one (the interpreter), or
+  its compiled IR holds
   ``tt.dot`` (a GPU). A decoy that copies a result computed elsewhere writes it, but multiplies nothing.
   (Attention computed by PyTorch without any matmul op — broadcast products and sums — escapes the op watch;
   the writer check still sees it.) An output no kernel visibly wrote but a multiplying kernel received is a
@@ -33,13 +34,13 @@ from typing import Any
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import kit  # noqa: F401 — before triton: the interpreter on machines without CUDA
 import kit.impl
 from kit import library_rules, triton_private
 from tests.support import rules
 from tests.support.flash_attention import BACKWARD_DESIGNS, backward_design, flash_class, run
+from tests.support.lineage import Lineage
 from tests.test_stage3_flash_attention import SHAPES, make_inputs
 
 pytestmark = [
@@ -71,40 +72,6 @@ SECTION = "handout 03, What is graded"
 # ----------------------------------------------------------------------------------------------------
 # In the worker: the workload, watched and its writes recorded; data back
 # ----------------------------------------------------------------------------------------------------
-
-
-class _Lineage(TorchDispatchMode):
-    """Which storages each storage was computed from by the ops of :data:`CARRIES` (a copy, a cast, a sum…):
-    ``sources[ptr]`` = the data pointers of the inputs' storages. Every tensor seen is kept alive, so that no
-    storage's address is reused for another while the workload runs."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.sources: dict[int, set[int]] = {}
-        self.keep: list[Any] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if func.namespace == "aten" and func._schema.name.split("::")[-1] in CARRIES:
-            leaves = torch.utils._pytree.tree_leaves((args, kwargs or {}))
-            inputs = [a for a in leaves if isinstance(a, torch.Tensor)]
-            outputs = [a for a in torch.utils._pytree.tree_leaves(out) if isinstance(a, torch.Tensor)]
-            for o in outputs:
-                ptr = o.untyped_storage().data_ptr()
-                into = self.sources.setdefault(ptr, set())
-                into.update(p for p in (i.untyped_storage().data_ptr() for i in inputs) if p != ptr)
-            self.keep += inputs + outputs
-        return out
-
-    def ancestry(self, t: torch.Tensor) -> set[int]:
-        """``t``'s storage and every storage it was carried from."""
-        seen, todo = set(), [t.untyped_storage().data_ptr()]
-        while todo:
-            ptr = todo.pop()
-            if ptr not in seen:
-                seen.add(ptr)
-                todo += self.sources.get(ptr, ())
-        return seen
 
 
 def _storage_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -193,17 +160,17 @@ class _Writes:
 
 def _tracked_run(fn, q, k, v, do, is_causal) -> dict:
     """A forward + backward of ``fn`` and, for each graded output, the kernels that wrote (``"o"``…) or received
-    (``"o_received"``…) its storage or one it was carried from (:class:`_Lineage`), and which launched kernels
-    multiply matrices (``"dots"``)."""
+    (``"o_received"``…) its storage or one it was carried from (:class:`~tests.support.lineage.Lineage`), and which
+    launched kernels multiply matrices (``"dots"``)."""
     with contextlib.ExitStack() as stack:
         counter = stack.enter_context(triton_private.dots_counted()) if kit.triton_interpreted() else None
-        writes, lineage = _Writes(counter), _Lineage()
+        writes, lineage = _Writes(counter), Lineage(CARRIES)
         stack.enter_context(triton_private.launches_intercepted(writes.before, writes.after))
         stack.enter_context(lineage)
         got = run(fn, q, k, v, do, is_causal, backward=True)
     record: dict[str, Any] = {"dots": writes.dots}
     for key, out in zip(OUTPUTS, (got["o"], *got["grads"])):
-        ancestry = lineage.ancestry(out) if isinstance(out, torch.Tensor) else set()
+        ancestry = lineage.ancestry([out.untyped_storage().data_ptr()]) if isinstance(out, torch.Tensor) else set()
         record[key] = sorted({n for ptr in ancestry for n in writes.written.get(ptr, ())})
         record[f"{key}_received"] = sorted({n for ptr in ancestry for n in writes.received.get(ptr, ())})
     return record

@@ -29,19 +29,18 @@ import contextlib
 import importlib
 import re
 import tempfile
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 from unittest import mock
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import kit  # noqa: F401 — before triton: the interpreter on machines without CUDA
 import kit.impl
 from kit import library_rules, triton_compile, triton_private
 from tests.support import rules
+from tests.support.lineage import Lineage
 from tests.test_stage7_fused_loss import UPSTREAM, make_inputs
 
 pytestmark = [
@@ -70,42 +69,7 @@ def _loss_module():
     return importlib.import_module(f"{kit.impl.selected()}.whole_step.fused_cross_entropy")
 
 
-class _Lineage(TorchDispatchMode):
-    """Which storages each storage was computed from by the ops of :data:`CARRIES` (a copy, a cast, a sum…):
-    ``sources[ptr]`` = the data pointers of the inputs' storages. Every tensor seen is kept alive, so that no
-    storage's address is reused for another while the workload runs."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.sources: dict[int, set[int]] = {}
-        self.keep: list[Any] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if func.namespace == "aten" and func._schema.name.split("::")[-1] in CARRIES:
-            leaves = torch.utils._pytree.tree_leaves((args, kwargs or {}))
-            inputs = [a for a in leaves if isinstance(a, torch.Tensor)]
-            outputs = [a for a in torch.utils._pytree.tree_leaves(out) if isinstance(a, torch.Tensor)]
-            for o in outputs:
-                ptr = o.untyped_storage().data_ptr()
-                if ptr:  # 0: an empty storage, shared by all
-                    carried = {i.untyped_storage().data_ptr() for i in inputs}
-                    self.sources.setdefault(ptr, set()).update(carried - {0, ptr})
-            self.keep += inputs + outputs
-        return out
-
-    def ancestry(self, ptrs: Iterable[int]) -> set[int]:
-        """The storages ``ptrs`` and every storage they were carried from."""
-        seen, todo = set(), list(ptrs)
-        while todo:
-            ptr = todo.pop()
-            if ptr not in seen:
-                seen.add(ptr)
-                todo += self.sources.get(ptr, ())
-        return seen
-
-
-def _writers(grad: torch.Tensor, launches: list[dict], lineage: _Lineage, hop) -> tuple[list[dict], list[dict]]:
+def _writers(grad: torch.Tensor, launches: list[dict], lineage: Lineage, hop) -> tuple[list[dict], list[dict]]:
     """The launches that wrote ``grad``: those that received a pointer into its storage or into one it was carried
     from (``first``), and — through each launch ``hop(launch)`` accepts as a copy (say a Triton cast of an fp32
     accumulator), into the storages *it* received — every launch upstream (``reached``, ``first`` included)."""
@@ -151,7 +115,7 @@ def _loss_workload() -> dict:
         launches.append({"launch": launch, "storages": storages, "dots": 0, "case": case_index[0]})
         return True
 
-    lineage = _Lineage()
+    lineage = Lineage(CARRIES)
     grads: list[dict[str, torch.Tensor]] = []
     with contextlib.ExitStack() as stack:
         if interpreted:  # the kernel runs right after on_launch: its dots are the last launch's

@@ -113,6 +113,12 @@ def worker_rules(root: Path, impl: str) -> Rules:
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
+    from kit import impl
+
+    # Here, not in tests/conftest.py: this plugin is loaded by addopts before any conftest, so `pytest -m stage1
+    # --impl reference` works without naming the tests folder (a conftest's options exist only once it is found).
+    parser.addoption("--impl", default=None, choices=impl.CHOICES,
+                     help=f"implementation to grade: student (default) or reference; ${impl.ENV_VAR} works too")
     group = parser.getgroup("kit grading")
     group.addoption("--grading-log", default=None, help="append per-test grading events (JSON lines) here")
     group.addoption("--per-test-timeout", type=float, default=0.0,
