@@ -91,10 +91,9 @@ def _judge_fsdp(request: pytest.FixtureRequest) -> list[dict]:
 
 
 def _assert_kept(key: str, request: pytest.FixtureRequest, workload: str, section: str) -> None:
-    found = rules.verdict(key, request)
-    assert not found.broken, found.broken
-    assert not found.unchecked, (f"the rule could not be checked: the workload ({workload}) failed with "
-                                 f"{found.unchecked}. Make those tests pass first ({section}).")
+    rules.assert_kept(key, request, (
+        f"the workload ({workload}) failed with "
+        f"{{error}}. Make those tests pass first ({section})."))
 
 
 @pytest.mark.points(1)

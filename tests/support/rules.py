@@ -90,6 +90,15 @@ def verdict(key: str, request: pytest.FixtureRequest) -> Verdict:
     return result
 
 
+def assert_kept(key: str, request: pytest.FixtureRequest, unchecked: str) -> None:
+    """The body of rule ``key``'s own test: fail with the rule's message when it was broken, and when its workload
+    could not run, with ``"the rule could not be checked: "`` + ``unchecked`` (``{error}``: what the workload
+    raised) — an unchecked rule is not a kept one."""
+    found = verdict(key, request)
+    assert not found.broken, found.broken
+    assert not found.unchecked, "the rule could not be checked: " + unchecked.format(error=found.unchecked)
+
+
 def gate(request: pytest.FixtureRequest) -> None:
     """Fail the running test when it grades something built by a library (its ``builds`` markers)."""
     for marker in request.node.iter_markers("builds"):
