@@ -27,8 +27,10 @@ FUSED_LOSS: list[Mutant] = [
     Mutant("loss-logits-materialised", _LOSS,
            find=_FORWARD_LAUNCH, replace=_FORWARD_IN_PYTORCH,
            mistake="the forward computes the whole (N, V) logits with a matmul and torch.logsumexp instead of tiles "
-                   "inside a kernel — the memory the fused loss exists to save (§1–§2)",
-           expect="materialised"),
+                   "inside a kernel — the memory the fused loss exists to save (§1–§2). The rule that PyTorch's matmuls and "
+                   "log-sum-exp must not compute the loss (handout 07, What is graded) stops it before the memory "
+                   "test does; either message points at it",
+           expect=r"materialised|PyTorch matmuls, softmax, log-sum-exp"),
     Mutant("loss-max-not-subtracted", _LOSS,
            find=_ONLINE_LSE,
            replace="""        s_i = s_i + tl.sum(tl.exp(z), 1)
