@@ -18,7 +18,10 @@ mistake: the rest cannot change the verdict — :mod:`instructor.stop_on_match`)
   and the first line of its message;
 * ``survived``  — every public test passed: the suite cannot tell this mistake from the right answer;
 * ``justified`` — it survives the public tests for a reason written in ``survives``, and the hidden test
-  named in ``hidden_test`` catches it (checked: a justified survivor that its hidden test misses fails).
+  named in ``hidden_test`` catches it (checked: a justified survivor that its hidden test misses fails);
+* ``gpu-only``  — a mistake that changes nothing on a CPU (``needs_gpu`` says why and which public test catches
+  it on a GPU): judged like any other where CUDA is present (``make gpu-check``'s machine), reported and not
+  judged on a CPU.
 
 A catalogue entry whose ``find`` text no longer occurs in the reference is an error, so the catalogue
 cannot silently drift from the code.
@@ -73,6 +76,8 @@ class Mutant:
             so a mutant is "killed with a message that points at it", not merely killed.
         survives: why no public test can catch it (only for known survivors).
         hidden_test: the hidden test function that must catch a justified survivor.
+        needs_gpu: why the mistake only shows on a GPU and which public test catches it there; the mutant is not
+            judged where CUDA is missing.
         count: how many times ``find`` occurs (all occurrences are replaced).
     """
 
@@ -85,6 +90,7 @@ class Mutant:
     survives: str = ""
     hidden_test: str = ""
     count: int = 1
+    needs_gpu: str = ""
 
 
 def load_catalogue(stage: int, catalogue: Path = CATALOGUE) -> list[Mutant]:
@@ -130,6 +136,10 @@ def judge(stage: int, mutant: Mutant, tree: Path, timeout: float) -> Verdict:
     except LookupError as exc:
         verdict.verdict, verdict.message = "stale", str(exc)
         return verdict
+    if mutant.needs_gpu and not _cuda_available():
+        verdict.verdict = "gpu-only"
+        verdict.notes.append(f"not judged without CUDA: {mutant.needs_gpu}")
+        return verdict
     code, junit, output = run_tests(tree, stage, stop_when=mutant.expect or ".*", timeout=timeout)
     found = failures(junit)
     pointing = [f for f in found if mutant.expect and re.search(mutant.expect, f[1], re.I | re.S)]
@@ -158,6 +168,12 @@ def judge(stage: int, mutant: Mutant, tree: Path, timeout: float) -> Verdict:
             verdict.notes.append(f"{len(found)} public tests fail")
     verdict.seconds = round(time.monotonic() - start, 1)
     return verdict
+
+
+def _cuda_available() -> bool:
+    import torch  # here, not at the top: the catalogue and the CLI's --help need no torch
+
+    return torch.cuda.is_available()
 
 
 def baseline_passes(tree: Path, stage: int, timeout: float) -> str:
@@ -326,7 +342,9 @@ def main(argv: list[str] | None = None) -> int:
                    budget=args.budget, jobs=args.jobs)
     bad = [v for v in verdicts if not v.accounted]
     missing = ", ".join(f"stage {v.stage} {v.name} ({v.verdict})" for v in bad)
-    print(f"\n{len(verdicts) - len(bad)}/{len(verdicts)} catalogued mistakes caught and designs passed"
+    gpu_only = [v.name for v in verdicts if v.verdict == "gpu-only"]
+    print(f"\n{len(verdicts) - len(bad) - len(gpu_only)}/{len(verdicts)} catalogued mistakes caught and designs passed"
+          + (f"; {len(gpu_only)} only judged on a GPU ({', '.join(gpu_only)})" if gpu_only else "")
           + (f"; not accounted for: {missing}" if bad else ""))
     return 1 if bad or not verdicts else 0
 

@@ -36,7 +36,7 @@ class Verdict:
 
     @property
     def accounted(self) -> bool:
-        return self.verdict in ("killed", "justified", "passed")
+        return self.verdict in ("killed", "justified", "passed", "gpu-only")
 
 
 

@@ -27,9 +27,9 @@ FUSED_LOSS: list[Mutant] = [
     Mutant("loss-logits-materialised", _LOSS,
            find=_FORWARD_LAUNCH, replace=_FORWARD_IN_PYTORCH,
            mistake="the forward computes the whole (N, V) logits with a matmul and torch.logsumexp instead of tiles "
-                   "inside a kernel — the memory the fused loss exists to save (§1–§2). The rule that PyTorch's matmuls and "
-                   "log-sum-exp must not compute the loss (handout 07, What is graded) stops it before the memory "
-                   "test does; either message points at it",
+                   "inside a kernel — the memory the fused loss exists to save (§1–§2). The rule that PyTorch's "
+                   "matmuls and log-sum-exp must not compute the loss (handout 07, What is graded) stops it before "
+                   "the memory test does; either message points at it",
            expect=r"materialised|PyTorch matmuls, softmax, log-sum-exp"),
     Mutant("loss-max-not-subtracted", _LOSS,
            find=_ONLINE_LSE,
@@ -291,6 +291,14 @@ ISSUE_40_STEP = [
            mistake="autocast enabled for the wrong dtype choice: bf16_autocast silently runs every matmul in fp32 "
                    "(§5)",
            expect=r"bf16 matmul"),
+    Mutant("step-autocast-device-hard-coded-cpu", "whole_step/train_step.py",
+           find="autocast = torch.autocast(x.device.type, dtype=torch.bfloat16,",
+           replace='autocast = torch.autocast("cpu", dtype=torch.bfloat16,',
+           mistake="autocast's device_type hard-coded to \"cpu\": on a GPU the CUDA matmuls stay fp32, silently "
+                   "(§5)",
+           expect=r"bf16 matmul",
+           needs_gpu="on a CPU autocast('cpu') is the right call; on a GPU "
+                     "test_step_bf16_autocast_multiplies_in_bf16 runs the step on CUDA and counts fp32 matmuls"),
     Mutant("step-checkpointing-loop-variable-rebound", "whole_step/train_step.py",
            find="            block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)\n",
            replace="            block = functools.partial(checkpoint, block, use_reentrant=False)\n",
