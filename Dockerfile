@@ -1,5 +1,5 @@
 # The kit's dev container, for linux/amd64 and linux/arm64 (Apple silicon builds arm64 natively): Debian 12 with
-# Python 3.11, make and git, then the kit's one set-up script, `make setup` (kit/bootstrap.py): the same script that
+# Python 3.11, make and git, then the kit's one set-up script, `make setup` (kit/setup/bootstrap.py): the same script that
 # `make test-clean-machine` runs on a clean Debian root. Inside, the README's commands work unchanged.
 #
 #   docker build -t llmsys .
@@ -17,7 +17,7 @@ RUN apt-get update \
     && rm -rf /var/lib/apt/lists/*
 
 # PyPI's Linux torch 2.13.0 is the CUDA build, which needs another triton than the kit's pin; the CPU build is on
-# PyTorch's CPU index. kit/bootstrap.py retries with that index by itself when the first resolve fails: naming it up
+# PyTorch's CPU index. kit/setup/bootstrap.py retries with that index by itself when the first resolve fails: naming it up
 # front only saves the failed resolve (--build-arg TORCH_INDEX= leaves it to the retry).
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
 

@@ -23,7 +23,7 @@ export PYTHONDONTWRITEBYTECODE := 1
 
 .PHONY: help setup grade test test-reference test-kit test-cluster lint student check-student release autograder check-handout soak \
         timings stages numerics mutants answers notebooks bench doctor clean wheelhouse gpu-check new-stage bench-loop lab leaderboard \
-        test-clean-machine test-portable
+        test-clean-machine test-portable check-test figures
 
 # `##` describes a target for `make help`; `##@instructor` marks one that needs reference/ (hidden in the student
 # release), `##@student` one that only the student release has.
@@ -36,13 +36,13 @@ setup: $(STAMP) ## create .venv, installing only what is missing (GPU=1 keeps yo
 $(STAMP): pyproject.toml constraints-cpu.txt
 	@test -x $(PY) || { command -v $(PYTHON) >/dev/null || { echo "make setup: no $(PYTHON) here: install Python 3.11" \
 	    "or newer (README.md, Quick start; on macOS or Windows, the dev container)" >&2; exit 1; }; \
-	    $(PYTHON) -m kit.python_check && $(PYTHON) -m venv $(if $(GPU),--system-site-packages --without-pip) $(VENV); }
-	$(if $(GPU),@$(PYTHON) -m kit.bootstrap --link-site $(VENV))
-	$(PY) -m kit.bootstrap $(if $(GPU),--gpu) $(if $(WHEELS),--wheels $(WHEELS))
+	    $(PYTHON) -m kit.setup.python_check && $(PYTHON) -m venv $(if $(GPU),--system-site-packages --without-pip) $(VENV); }
+	$(if $(GPU),@$(PYTHON) -m kit.setup.bootstrap --link-site $(VENV))
+	$(PY) -m kit.setup.bootstrap $(if $(GPU),--gpu) $(if $(WHEELS),--wheels $(WHEELS))
 	@touch $@
 
 wheelhouse: ## wheels a CUDA machine may lack into wheelhouse/ (WHEEL_PYTHON=3.12; WHEEL_SKIP="matplotlib": it has those)
-	$(if $(wildcard $(PY)),$(PY),$(PYTHON)) -m kit.bootstrap --download wheelhouse --python-version $(WHEEL_PYTHON) $(if $(WHEEL_SKIP),--skip $(WHEEL_SKIP))
+	$(if $(wildcard $(PY)),$(PY),$(PYTHON)) -m kit.setup.bootstrap --download wheelhouse --python-version $(WHEEL_PYTHON) $(if $(WHEEL_SKIP),--skip $(WHEEL_SKIP))
 	@du -sh wheelhouse; echo "copy wheelhouse/ to the GPU machine, then: make setup GPU=1 WHEELS=wheelhouse"
 
 gpu-check: setup ##@instructor on a CUDA machine: doctor, GPU tests, compiled Stage 3, goals → benchmarks/results/gpu/ (< 8 min)
@@ -71,7 +71,7 @@ test-kit: setup ##@instructor only the kit's own tests (grader, release, spawn h
 test-cluster: setup ##@instructor sbatch the kit's SLURM script on a 2-node SLURM started here (root; apt-get install -y slurm-wlm munge; ~1 min)
 	LLMSYS_TEST_CLUSTER=1 $(PY) -m pytest tests/kit/test_cluster.py --impl reference -p no:cacheprovider -v -s
 
-# A student's macOS run, forced on Linux (kit/portable.py): fresh worker processes, psutil, no /proc, prctl or sandbox.
+# A student's macOS run, forced on Linux (kit/setup/portable.py): fresh worker processes, psutil, no /proc, prctl or sandbox.
 test-portable: setup ##@instructor the portable path forced here: the reference passes STAGE (default 1,2,4,5,6), no stub test passes
 	@marks="$$($(PY) -m kit stages --marker-expression $(or $(STAGE),1,2,4,5,6))"; \
 	LLMSYS_PORTABLE=1 $(PY) -m pytest tests --impl reference -q -p no:cacheprovider -m "$$marks" || exit 1; \
@@ -120,8 +120,15 @@ timings: setup ##@instructor record each graded test's reference time in tests/t
 numerics: setup ##@instructor grade the reference (public + hidden) on each CPU code path a grader may take (CELL=auto: today's one; STAGE=N)
 	$(PY) -m instructor numerics $(if $(CELL),--cell $(CELL)) $(if $(STAGE),--stage $(STAGE))
 
-mutants: setup ##@instructor the misconception catalogue (tests/kit/mutants): each mistake must fail a public test (STAGE=N or auto, BUDGET=seconds)
-	$(PY) -m instructor mutants $(if $(STAGE),--stage $(STAGE)) $(if $(BUDGET),--budget $(BUDGET))
+mutants: setup ##@instructor the misconception catalogue (tests/kit/mutants): each mistake must fail a public test (STAGE=N or auto, BUDGET=seconds, ONLY=name,name: those mistakes and the stage's designs)
+	$(PY) -m instructor mutants $(if $(STAGE),--stage $(STAGE)) $(if $(BUDGET),--budget $(BUDGET)) $(if $(ONLY),--only $(ONLY))
+
+check-test: setup ##@instructor CONTRIBUTING's checklist for a graded test file: FILE=tests/test_stage4_ddp.py (points, handout, timings, mutants)
+	@test -n "$(FILE)" || { echo 'usage: make check-test FILE=tests/test_stageN_topic.py'; exit 2; }
+	$(PY) -m instructor checklist $(FILE)
+
+figures: setup ##@instructor regenerate benchmarks/results/figures.{json,md} and the figures the docs quote (<!-- fig:name --> markers)
+	$(PY) -m instructor figures
 
 new-stage: setup ##@instructor write a new stage's skeletons and registry entry (N=7 NAME=whole_step TITLE="The whole step")
 	@test -n "$(N)" -a -n "$(NAME)" -a -n "$(TITLE)" || { echo 'usage: make new-stage N=7 NAME=whole_step TITLE="The whole step"'; exit 2; }

@@ -1,9 +1,10 @@
-"""``python -m instructor {release,autograder,mutants,answers,gpu-check,timings,numerics,new-stage,clean-machine}``:
+"""``python -m instructor {release,autograder,mutants,answers,gpu-check,timings,numerics,new-stage,clean-machine,
+checklist,figures}``:
 instructor tools.
 
 Each command's own ``--help`` says more; the Makefile targets call these (``make student``, ``make release``,
 ``make autograder``, ``make mutants``, ``make answers``, ``make gpu-check``, ``make timings``, ``make new-stage``,
-``make test-clean-machine``).
+``make test-clean-machine``, ``make check-test``, ``make figures``).
 """
 
 from __future__ import annotations
@@ -53,6 +54,8 @@ PASS_THROUGH = {
     "numerics": ("instructor.numerics", "grade the reference on each CPU code path (MKL_CBWR × ATEN_CPU_CAPABILITY)"),
     "new-stage": ("instructor.scaffold", "write the skeletons of a new stage and its registry entry"),
     "clean-machine": ("instructor.clean_machine", "make setup and the README's commands in a clean Debian root, timed"),
+    "checklist": ("instructor.checklist", "CONTRIBUTING's checklist for a graded test file, checked (make check-test)"),
+    "figures": ("instructor.figures", "the docs' measured figures from their stamped results (make figures)"),
 }
 
 

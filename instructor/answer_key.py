@@ -222,7 +222,7 @@ def key_sections(text: str) -> list[str]:
 
 def written_problems(root: Path = ROOT) -> dict[str, list[str]]:
     """``{"ch01": ["1.3", …]}``: every problem marked ``(written …)`` in the handout, by chapter."""
-    from kit.handout_check import parse_handout
+    from kit.grading.handout_check import parse_handout
 
     out: dict[str, list[str]] = {}
     for chapter in chapters():

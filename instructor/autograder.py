@@ -17,7 +17,7 @@ from __future__ import annotations
 import zipfile
 from pathlib import Path
 
-from kit import tree
+from kit.grading import tree
 
 ROOT = Path(__file__).resolve().parent.parent
 BUNDLE_ITEMS = ("kit", "tests", "handout", "pyproject.toml", "constraints-cpu.txt")
@@ -55,7 +55,7 @@ fi
 echo "setup.sh: using $PYTHON ($("$PYTHON" --version 2>&1))"
 [ -n "${KIT_SETUP_CHECK_ONLY:-}" ] && exit 0
 "$PYTHON" -m venv .venv
-.venv/bin/python -m kit.bootstrap
+.venv/bin/python -m kit.setup.bootstrap
 # Says whether this image meets the grader's floor (CPUs, memory, Landlock for confined workers).
 .venv/bin/python -m kit doctor --grader || true
 """

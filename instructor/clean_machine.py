@@ -11,8 +11,8 @@ checkout goes in, and each step runs there as root under ``unshare`` (its own mo
     python -m instructor clean-machine --suite bullseye   # Python 3.9: every step must stop, saying what to install
     python -m instructor clean-machine --dry-run          # the plan only: packages, bound paths, steps
 
-The steps are the set-up script (``make setup``: kit/bootstrap.py, the one the dev container's Dockerfile runs too)
-and then the commands of the README's "Quick start", read from README.md (:func:`readme_commands`), so the test
+The steps are the set-up script (``make setup``: kit/setup/bootstrap.py, the one the dev container's Dockerfile runs
+too) and then the commands of the README's "Quick start", read from README.md (:func:`readme_commands`), so the test
 follows the README. pip inside reaches the package sources this machine's pip uses and nothing more: its
 configuration files, its PIP_* variables and the local folders and file:// indexes they name are bound read-only at
 the same paths (:func:`pip_sources`), so the times measure the kit's set-up, not another network. The root shares
@@ -40,7 +40,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kit import python_check
+from kit.setup import python_check
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"

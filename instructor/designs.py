@@ -75,7 +75,7 @@ def judge_design(stage: int, design: Path, tree: Path, timeout: float) -> trials
 # ------------------------------------------------------------------------------------------------ shortcuts
 # The other side of "reasonable designs pass": a submission that wraps PyTorch's own implementation of what a
 # chapter has the student build (torch DDP, ZeroRedundancyOptimizer, fully_shard, GradScaler, SDPA behind a
-# decoy kernel, torch's AdamW) behaves correctly, so only the rule checks (kit.library_rules) can fail it.
+# decoy kernel, torch's AdamW) behaves correctly, so only the rule checks (kit.grading.library_rules) can fail it.
 # ``tests/kit/shortcuts/stage<N>/<name>/`` holds such a submission as overrides, like a design; its README's
 # first line says what it skips and a line ``expect: <regex>`` what a failing public test's message must say.
 # Each must fail a public test of its stage with that message (verdict ``killed``), as a mutant must.

@@ -40,7 +40,7 @@ LEADERBOARD = dict(batch_heads=16, seq=16384, d_head=64, causal=True)  # (batchÂ
 BF16_U = 2.0**-8  # unit roundoff of bf16 (8 significand bits)
 TRAIN = dict(preset="small", batch_size=8, context_length=1024)
 NEEDS_CUDA = ("make gpu-check needs a CUDA GPU, and this machine has none (torch.cuda.is_available() is False).\n"
-              "Nothing was run. On a GPU machine: `make setup GPU=1` (offline: WHEELS=dir, see README "
+              "Nothing was run. On a GPU machine: `make setup GPU=1` (offline: WHEELS=dir, see INSTRUCTOR.md "
               "'Running on a GPU'), then `make gpu-check`; results go to benchmarks/results/gpu/.")
 
 
@@ -237,7 +237,7 @@ def launchers(package) -> list:
 def kernel_report(packages) -> list[dict]:
     """One row per compiled variant of each kernel: tiles, warps, stages, registers, spills, shared memory,
     wgmma in the PTX, and whether the autotuner chose it (``chosen``: yes, no, or fixed = not autotuned)."""
-    from kit import triton_private
+    from kit.triton import triton_private
 
     rows = []
     for launcher in [lch for pkg in packages for lch in launchers(pkg)]:
@@ -250,7 +250,7 @@ def kernel_report(packages) -> list[dict]:
 def compiled_row(kind: str, compiled, picks: list[dict]) -> dict:
     """Metrics of one ``triton.compiler.CompiledKernel``; ``picks`` are the configs the launcher chose
     (``BLOCK_M``, ``BLOCK_N``, ``num_warps``, ``num_stages``)."""
-    from kit import triton_private
+    from kit.triton import triton_private
 
     constants = triton_private.compiled_constants(compiled)
     meta = compiled.metadata

@@ -273,8 +273,11 @@ def run(stages: list[int], *, only: list[str] | None = None, timeout: float = 90
         mutants = [m for m in load_catalogue(stage) if not only or m.name in only] if mutants_too else []
         shortcuts = ([s for s in alternative_designs.load_shortcuts(stage) if not only or f"shortcut:{s.name}" in only]
                      if mutants_too else [])
-        alternatives = ([d for d in alternative_designs.load_designs(stage) if not only or f"design:{d.name}" in only]
-                        if designs else [])
+        # --only narrows the designs only when it names some (design:NAME): a changed test must still let every
+        # design pass, so `--only my-mistake` judges that mistake and all the stage's designs.
+        named_designs = [n for n in only or [] if n.startswith("design:")]
+        alternatives = ([d for d in alternative_designs.load_designs(stage)
+                         if not named_designs or f"design:{d.name}" in named_designs] if designs else [])
         if not mutants and not shortcuts and not alternatives:
             print(f"stage {stage}: no catalogued mutants or designs" + (f" named {only}" if only else ""))
             continue
@@ -320,7 +323,8 @@ def format_report(stage: int, verdicts: list[Verdict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m instructor mutants", description=__doc__.split("\n\n")[0])
     parser.add_argument("--stage", help="stage numbers (e.g. 4 or 1,3), 'auto' (changed or rotating), default all")
-    parser.add_argument("--only", help="only these mutants (comma-separated names)")
+    parser.add_argument("--only", help="only these mutants (comma-separated names; shortcut:NAME for a shortcut); "
+                                       "the stage's designs still run unless --no-designs or some design:NAME is named")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per test run")
     parser.add_argument("--no-baseline", action="store_true", help="skip checking that the reference passes first")
     parser.add_argument("--designs-only", action="store_true", help="only the alternative designs (tests/kit/designs)")

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from instructor.stubs import LEVELS, MarkerError, parse, render
-from kit import tree
+from kit.grading import tree
 
 __all__ = ["LEVELS", "MarkerError", "build_release", "render_student", "solution_blocks", "stale_student_files",
            "strip_solutions", "write_student"]
@@ -41,8 +41,11 @@ GIVEN_HEADER = "# Given code — read, don't edit. Generated from the kit's refe
 
 # A student release is the repository's top level but for what never ships: the instructor's tools and
 # answer key (instructor/), the solutions (reference/), the hidden tests and the kit's own tests (which test
-# the instructor's tools against the reference), and the maintainers' guide.
-RELEASE_EXCLUDE = ("instructor", "reference", "tests/hidden", "tests/kit", "CONTRIBUTING.md")
+# the instructor's tools against the reference), the instructor's guide and the maintainers' guide.
+RELEASE_EXCLUDE = ("instructor", "reference", "tests/hidden", "tests/kit", "INSTRUCTOR.md", "CONTRIBUTING.md")
+# A line of a shipped markdown file that carries this marker is for the instructor's copy only (README.md's pointer
+# to INSTRUCTOR.md and CONTRIBUTING.md): the release drops the line, so no link in it points at a file left out.
+INSTRUCTOR_ONLY_LINE = "<!-- instructor-only -->"
 # Hidden top-level entries a student needs (the rest, .ci/ and .git/, stay out): the dev container (README.md,
 # "On macOS or Windows") is the Dockerfile with these two.
 RELEASE_DOTFILES = (".gitignore", ".dockerignore", ".devcontainer")
@@ -146,7 +149,8 @@ def stale_student_files(reference: Path = ROOT / "reference", student: Path = RO
 
 def build_release(out: Path = ROOT / "dist" / "student-release", root: Path = ROOT, level: str = "guided") -> Path:
     """Copy what a student needs into ``out`` — :func:`release_parts`: never ``instructor/``, ``reference/``,
-    hidden tests or the kit's own tests.
+    hidden tests, the kit's own tests or the instructor's and maintainers' guides; markdown lines marked
+    :data:`INSTRUCTOR_ONLY_LINE` are dropped.
 
     ``level="guided"`` ships the committed ``student/`` (which must be fresh); ``"open"`` ships stubs
     generated at the open level instead.
@@ -163,4 +167,9 @@ def build_release(out: Path = ROOT / "dist" / "student-release", root: Path = RO
         for rel, data in render_student(root / "reference", level).items():
             (out / "student" / rel).parent.mkdir(parents=True, exist_ok=True)
             (out / "student" / rel).write_bytes(data)
+    for page in out.rglob("*.md"):
+        text = page.read_text()
+        if INSTRUCTOR_ONLY_LINE in text:
+            page.write_text("".join(line for line in text.splitlines(keepends=True)
+                                    if INSTRUCTOR_ONLY_LINE not in line))
     return out

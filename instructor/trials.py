@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kit import stages as stage_registry
-from kit import tree
+from kit.grading import tree
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -23,7 +23,7 @@ def cuda_present() -> bool:
 
 
 if os.environ.get("LLMSYS_FORCE_NO_TRITON") == "1":  # the kit's own tests of a machine without Triton
-    from kit.portable import hide_triton
+    from kit.setup.portable import hide_triton
 
     hide_triton()
 

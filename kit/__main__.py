@@ -22,7 +22,7 @@ def _stages(text: str | None, option: str = "--stage") -> list[int] | None:
         raise SystemExit(f"{option}: {exc}") from None
 
 
-def _limits(args: argparse.Namespace):
+def limits_of(args: argparse.Namespace):
     from kit.grading.running import Limits
 
     return Limits(timeout=args.timeout, per_test_timeout=args.per_test_timeout, import_timeout=args.import_timeout,
@@ -54,7 +54,7 @@ def _grade_batch(args: argparse.Namespace, **kwargs) -> int:
 
 def _refuse_to_grade(args: argparse.Namespace) -> str | None:
     """Why this command cannot grade here (not Linux, the portable path, ``--inline``), or None."""
-    from kit.portable import grader_refusal
+    from kit.setup.portable import grader_refusal
 
     if getattr(args, "inline", False):
         return ("--inline is for debugging one test with pytest (`.venv/bin/pytest --inline -k NAME`); a grade always "
@@ -71,7 +71,7 @@ def cmd_grade(args: argparse.Namespace) -> int:
         return 2
     processes.install_interrupt_handlers()
     _warn_below_floor()
-    kwargs = dict(stages=_stages(args.stage), include_hidden=args.hidden, limits=_limits(args))
+    kwargs = dict(stages=_stages(args.stage), include_hidden=args.hidden, limits=limits_of(args))
     if args.jobs is not None and args.jobs < 1:
         print(f"error: --jobs must be at least 1, got {args.jobs}", file=sys.stderr)
         return 2
@@ -106,7 +106,7 @@ def cmd_autograde(args: argparse.Namespace) -> int:
         return 2
     processes.install_interrupt_handlers()
     _warn_below_floor()
-    data = autograde(Path(args.submission), Path(args.results), stages=_stages(args.stage), limits=_limits(args))
+    data = autograde(Path(args.submission), Path(args.results), stages=_stages(args.stage), limits=limits_of(args))
     print(f"{data['score']:g} / {data.get('max_score', 0):g} points → {args.results}")
     return processes.interrupted_exit_code() or 0
 
@@ -123,13 +123,13 @@ def cmd_stages(args: argparse.Namespace) -> int:
 
 
 def cmd_check_handout(args: argparse.Namespace) -> int:
-    from kit.handout_check import main
+    from kit.grading.handout_check import main
 
     return main()
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
-    from kit.doctor import grader_report, report
+    from kit.setup.doctor import grader_report, report
 
     print(grader_report() if args.grader else report())
     return 0
@@ -137,7 +137,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 def _warn_below_floor() -> None:
     """Before grading: say what this machine lacks (CPUs, memory, Landlock), so a slow run is not a surprise."""
-    from kit.doctor import grader_floor
+    from kit.setup.doctor import grader_floor
 
     for problem in grader_floor():
         print(f"note: {problem}", file=sys.stderr)
@@ -154,7 +154,7 @@ def cmd_nsys_summary(args: argparse.Namespace) -> int:
     return 0
 
 
-def _limit_options(p: argparse.ArgumentParser) -> None:
+def add_limit_options(p: argparse.ArgumentParser) -> None:
     from kit.grading import timings
 
     p.add_argument("--timeout", type=float, default=1800.0, help="wall-clock seconds per submission")
@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--batch", help="grade every subfolder of this folder")
     g.add_argument("--out", help="with --batch: where results and gradebook.csv go (default BATCH/_grades)")
     g.add_argument("--hidden", action="store_true", help="include the instructor-only hidden tests")
-    _limit_options(g)
+    add_limit_options(g)
     g.add_argument("--inline", action="store_true", help=argparse.SUPPRESS)  # refused, saying why (pytest's option)
     g.add_argument("--jobs", type=int, default=None,
                    help="with --batch: submissions graded in parallel (default 1); otherwise: groups of stages graded "
@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     a.add_argument("--submission", required=True, help="the uploaded submission folder")
     a.add_argument("--results", required=True, help="where results.json goes")
     a.add_argument("--stage", help="only these stages (for quick local checks)")
-    _limit_options(a)
+    add_limit_options(a)
     a.set_defaults(func=cmd_autograde)
 
     c = sub.add_parser("check-handout", help="check that the handout, the tests and the points agree")
@@ -227,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
                         "(python -m kit leaderboard --help)")
 
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["leaderboard"]:  # its own parser, options and all (kit/leaderboard.py)
+    if argv[:1] == ["leaderboard"]:  # its own parser, options and all (kit/leaderboard/cli.py)
         from kit.leaderboard import main as leaderboard
 
         return leaderboard(argv[1:])

@@ -43,6 +43,46 @@ per spawn (each test its own spawn, so a hang costs one test), use :func:`run_ch
 
 Bad input is checked the same way: the worker records what a call did (:func:`outcome_of`) and the judge
 checks it (:func:`kit.testing.assert_raised`).
+
+Writing a test: the contract (stated here once; CONTRIBUTING.md's checklist links to it)
+----------------------------------------------------------------------------------------
+
+* **The judge never touches the implementation.** A graded test takes the ``worker`` fixture, a spawned-checks
+  fixture or :func:`run_check`, never ``impl`` (``tests/conftest.py`` refuses a graded test that asks for it);
+  while grading, importing ``student`` or ``reference`` in the judge fails. Checks are module-level functions,
+  found by name.
+* **Return what the judge compares, not a verdict**, as data (:mod:`kit.spawn.wire`; anything else fails,
+  naming the part that is not data): parameters after each step, a ``CommLog``'s events (``log.as_data()``,
+  read back with ``kit.comm_log.events_from_data``), the bytes a storage hook saw, objects as their fields
+  (``TimingStats`` → ``{"mean": …}``). To observe communication, wrap the code in ``kit.comm_log.CommLog()``:
+  every c10d collective (op, bytes, group ranks, ``async_op``), every completion and your own ``log.mark("…")``,
+  in order. A check may raise, which only fails the test: **a pass always rests on a comparison the judge makes.**
+* **Expected values are computed in the judge**, from the same seeded inputs: float64 maths, a single process
+  training the same model, torch's own implementation. Where that reference needs a process group (torch's
+  DDP, ``fully_shard``, ``ZeroRedundancyOptimizer``) it runs in :func:`reference_ranks`, ranks that cannot
+  load the implementation; never in the implementation's process.
+* **Compare worker data by type, dtype and shape before values**: :func:`kit.testing.assert_close` (``name=``,
+  ``section="handout 0N §k"``, ``rtol``/``atol`` derived from the computation's error model, said in a
+  comment), never ``pytest.approx`` (it passes an empty tensor); check that a number is a float first. The
+  message teaches: the quantity, the tolerance, the worst element, the handout section.
+* **Files and threads.** A worker writes only under its scratch folder (``tempfile.mkdtemp()``; ``TMPDIR``
+  points there), never into pytest's ``tmp_path``, and returns what the judge needs from a file as data. The
+  judge, the worker and every rank use one torch thread, so "bit for bit" means bit for bit.
+* **Checks come from the checkbook** (:mod:`kit.spawn.checkbook`): a worker resolves each check from a record
+  made before submission code ran, so a check must not leave a kit or test function patched (patch the
+  implementation's module and restore it, as Stage 1's ``_nvtx_replaced`` does). A test whose judge half only
+  reads what a worker recorded draws its inputs in the judge (Stage 1's ``DRAW``) and is counted in
+  INSTRUCTOR.md's *Evidence, not verdict*, with its points.
+* **Hidden tests** keep their worker half in ``tests/hidden/stage<N>_hidden_worker.py`` (the only part a
+  worker can read while grading) and their judge half (expected values, tolerances, messages) in
+  ``tests/hidden/test_stage<N>_*.py``, marked ``hidden``.
+* **Limits.** A test's workers get a CPU budget from the reference's CPU time in ``tests/timings.json``
+  (``make timings``) and an idle limit (:mod:`kit.spawn.watch`); the wall clock is only the last resort, so a
+  correct test never depends on a quiet machine. When a limit is met, each worker's Python stack is dumped
+  into the failure.
+* **Placement.** A test lives in its stage's file (``kit/stages.py``: ``pytest -m stageN`` collects only
+  those), with ``pytestmark = pytest.mark.stage<N>`` and ``@pytest.mark.points(n)``; keep ``import torch`` out
+  of ``tests/conftest.py``'s top level (the judge imports torch during collection, beside the zygote).
 """
 
 from __future__ import annotations
@@ -52,11 +92,22 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kit.portable import NEEDS_TRITON, triton_missing_error
-from kit.spawn import RankFailedError, RankTimeoutError, raise_for, wire
-from kit.spawn import parent as _parent
-from kit.spawn.messages import limit_message, silent_death
-from kit.spawn.worker import error_report, in_rank, in_worker, peers_stopped, report_check, user_stops
+from kit import spawn as workers
+from kit.setup.portable import NEEDS_TRITON, triton_missing_error
+from kit.spawn import (
+    RankFailedError,
+    RankTimeoutError,
+    error_report,
+    in_rank,
+    in_worker,
+    limit_message,
+    peers_stopped,
+    raise_for,
+    report_check,
+    silent_death,
+    user_stops,
+    wire,
+)
 
 __all__ = ["Failure", "RankCheckError", "SpawnedChecks", "Worker", "outcome_of", "reference_ranks", "run_check",
            "run_checks", "spawned_checks"]
@@ -219,7 +270,7 @@ def outcome_of(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> dict:
 
 def skip_if_triton_missing(type_name: str, message: str) -> None:
     """On a machine without Triton (macOS, Windows), a check that failed because it needed Triton skips its test,
-    saying so (:data:`kit.portable.NEEDS_TRITON`), instead of failing it with an import error."""
+    saying so (:data:`kit.setup.portable.NEEDS_TRITON`), instead of failing it with an import error."""
     if triton_missing_error(type_name, message):
         import pytest
 
@@ -239,11 +290,10 @@ class Worker:
         """:meth:`call` with ``timeout`` seconds of wall clock as the last resort (default 600)."""
         name = getattr(fn, "__name__", repr(fn))
         limit = 600.0 if timeout is None else timeout
-        outcome = _parent.call(fn, args, kwargs, timeout=limit)
+        outcome = workers.call(fn, args, kwargs, timeout=limit)
         if outcome.limit:
             raise RankTimeoutError(limit_message(outcome, f"check {name!r}", limit))
         if outcome.died:
-
             report = silent_death(outcome, 0)
             raise RankCheckError(f"the worker running check {name!r} {report['message']}. A crash in native code "
                                  "(a segmentation fault), os._exit, or the memory limit.")
@@ -257,11 +307,11 @@ class Worker:
     def import_module(self, name: str, timeout: float) -> str | None:
         """Import module ``name`` in the worker within ``timeout`` s; ``None`` if it imports, else why not."""
         # Its own limits, not a test's: an import spins (CPU) or blocks (idle) for at most ``timeout`` seconds.
-        previous = _parent.set_allowance(_parent.Allowance(cpu=timeout, idle=timeout))
+        previous = workers.set_allowance(workers.Allowance(cpu=timeout, idle=timeout))
         try:
-            outcome = _parent.call(name, timeout=10 * timeout, op="import")
+            outcome = workers.call(name, timeout=10 * timeout, op="import")
         finally:
-            _parent.set_allowance(previous)
+            workers.set_allowance(previous)
         if outcome.limit:
             return (f"importing {name} did not finish: it " + limit_message(outcome, "", timeout).strip()
                     + "\nA module must import in seconds: keep the work inside functions.")
@@ -287,7 +337,7 @@ class SpawnedChecks:
     def _run(self) -> list[dict[str, tuple[bool, Any]]]:
         if self._outcomes is None:
             args = self.args() if callable(self.args) else tuple(self.args)
-            outcome = _parent.spawn(self.fn, self.world_size, self.backend or "gloo", args, {}, self.timeout)
+            outcome = workers.spawn(self.fn, self.world_size, self.backend or "gloo", args, {}, self.timeout)
             self._outcomes = [
                 {name: (ok, payload if ok else Failure.from_report(name, r, payload))
                  for name, (ok, payload) in outcome.checks[r].items()}
@@ -396,7 +446,7 @@ def reference_ranks(fn: Callable[..., Any], world_size: int, *, args: tuple = ()
     implementation (torch's DDP, ``fully_shard``, ``ZeroRedundancyOptimizer`` as the expected values). They are
     forked from a zygote of their own, out of the submission's reach. Returns the values by rank; any
     failure is the kit's, raised as :class:`RankFailedError`/:class:`RankTimeoutError`."""
-    outcome = _parent.spawn(fn, world_size, backend or "gloo", tuple(args), {}, timeout, trusted=True)
+    outcome = workers.spawn(fn, world_size, backend or "gloo", tuple(args), {}, timeout, trusted=True)
     try:
         raise_for(outcome, world_size, timeout)
     except RankFailedError as exc:

@@ -10,8 +10,8 @@ offsets, shared memory and registers). This module closes that gap without namin
    aligned; for a scalar: its value), the constexpr values, the grid and the launch options — whatever the
    kernels and their parameters are called;
 2. :func:`compile_launches` compiles exactly those launches for a Hopper GPU (sm_90) in child processes
-   (one per CPU, side by side) with the interpreter off (no GPU needed; :mod:`kit.triton_compile_child`) and returns one
-   :class:`CompileReport` per launch: the compiler's error if any, shared memory, the ptxas
+   (one per CPU, side by side) with the interpreter off (no GPU needed; :mod:`kit.triton.triton_compile_child`)
+   and returns one :class:`CompileReport` per launch: the compiler's error if any, shared memory, the ptxas
    register/spill line, and the Triton IR;
 3. :func:`tf32_dots` and :func:`narrow_offsets` inspect that IR: fp32 ``tl.dot`` must run at IEEE precision,
    and products of the batch·head program id with a runtime argument (a stride) must be 64-bit.
@@ -22,7 +22,7 @@ integers divisible by 16 are marked so (``tt.divisibility``: loads become vector
 pipelined), an integer equal to 1 becomes a constant — and registers, spills and shared memory depend on
 it (a D = 128 kernel can spill without the hints and not with them). The child therefore hands each
 recorded launch to Triton's own launcher (``JITFunction.run`` with ``warmup=True``, the GPU replaced by a
-stand-in that names sm_90; :mod:`kit.triton_private`), with the recorded scalars and, for each tensor, a
+stand-in that names sm_90; :mod:`kit.triton.triton_private`), with the recorded scalars and, for each tensor, a
 stand-in with its dtype and alignment: the specialisation is Triton's, not a copy of its rules.
 :func:`launch_specialisations` returns what that launcher hands the compiler, and
 ``tests/kit/test_triton_compile.py`` checks it against launches of real tensors (shapes, strides that are
@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kit import triton_private
+from kit.triton import triton_private
 
 # sm_90 (H100/H200): 227 KiB of shared memory per block with the opt-in carve-out.
 SM90_SHARED_BYTES = 232448
@@ -124,7 +124,9 @@ def alignment(address: int) -> int:
     return MAX_RECORDED_ALIGNMENT if address % MAX_RECORDED_ALIGNMENT == 0 else address & -address
 
 
-def _describe(value: Any) -> dict:
+def describe_argument(value: Any) -> dict:
+    """One launch argument as :class:`Launch` records it: a tensor as its Triton pointer type and alignment, a
+    scalar as its kind and value."""
     import torch
 
     if isinstance(value, torch.Tensor):
@@ -139,7 +141,7 @@ def _describe(value: Any) -> dict:
     if value is None or isinstance(value, str):
         return {"kind": "value", "value": value}
     if hasattr(value, "item"):  # a NumPy/torch scalar
-        return _describe(value.item())
+        return describe_argument(value.item())
     return {"kind": "value", "value": repr(value)}
 
 
@@ -159,7 +161,8 @@ def record_launches(fn: Callable[[], Any], execute: bool = True) -> list[Launch]
             return True
         g = grid(named) if callable(grid) else grid
         g = tuple(int(x) for x in (g if isinstance(g, (tuple, list)) else (g,)))
-        launch = Launch(kernel.fn.__module__, kernel.fn.__qualname__, {k: _describe(v) for k, v in named.items()},
+        args = {k: describe_argument(v) for k, v in named.items()}
+        launch = Launch(kernel.fn.__module__, kernel.fn.__qualname__, args,
                         g, {k: v if isinstance(v, (bool, int, float, str)) else repr(v) for k, v in options.items()})
         launches.setdefault(launch.key(), launch)
         return execute
@@ -192,12 +195,12 @@ def _child_command(mode: str, payload: Any, workdir: Path, root: Path, tag: str,
     src.write_text(json.dumps(payload))
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(cache or workdir / "triton-cache"),
            "PYTHONPATH": str(root) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    return [sys.executable, "-m", "kit.triton_compile_child", mode, str(src), str(dst)], env, dst
+    return [sys.executable, "-m", "kit.triton.triton_compile_child", mode, str(src), str(dst)], env, dst
 
 
 def _run_children(mode: str, payloads: list[Any], workdir: Path, root: Path, timeout: float,
                   cache: Path | None = None) -> list[Any]:
-    """Run one ``python -m kit.triton_compile_child MODE IN OUT`` per payload, all at once, with the interpreter
+    """Run one ``python -m kit.triton.triton_compile_child MODE IN OUT`` per payload, all at once, with the interpreter
     off and ``root`` on the path; their outputs in order. ``RuntimeError`` with a child's output if it crashes
     (the others are stopped); ``subprocess.TimeoutExpired`` if they take longer than ``timeout`` together."""
     children = []
@@ -237,7 +240,7 @@ def _run_child(mode: str, payload: Any, workdir: Path, root: Path, timeout: floa
 def compile_jobs() -> int:
     """How many compile children run at once: one per CPU this process may use, at most 4 (each holds the
     compiler, about 0.5 GB). Under ``taskset -c 0`` that is one, and the launches compile one after another."""
-    from kit.doctor import available_cpus
+    from kit.setup.doctor import available_cpus
 
     return max(1, min(int(available_cpus()), 4))
 
@@ -274,7 +277,7 @@ def compile_launches(launches: list[Launch], workdir: Path, root: Path, timeout:
 
 def launch_specialisations(launches: list[Launch], workdir: Path, root: Path, timeout: float = 300) -> list[dict]:
     """What Triton's launcher hands the compiler for each launch (no compile): ``signature``, ``constants``,
-    ``attrs`` and ``options``, as :func:`kit.triton_private.compiles_observed` describes them."""
+    ``attrs`` and ``options``, as :func:`kit.triton.triton_private.compiles_observed` describes them."""
     return _run_child("inputs", [la.as_data() for la in launches], workdir, root, timeout)
 
 
@@ -365,7 +368,7 @@ def with_config(launch: Launch, config: dict[str, Any]) -> Launch:
         if name in triton_private.LAUNCH_OPTIONS:
             options[name] = value
         else:
-            args[name] = _describe(value) if isinstance(value, (bool, int, float)) else {"kind": "value",
+            args[name] = describe_argument(value) if isinstance(value, (bool, int, float)) else {"kind": "value",
                                                                                         "value": value}
     return Launch(launch.module, launch.name, args, launch.grid, options)
 

@@ -87,11 +87,11 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
 @pytest.hookimpl(wrapper=True)
 def pytest_make_collect_report(collector: pytest.Collector):
     """A test module that cannot even be imported without Triton, on a machine without it, is skipped saying so
-    (``kit.portable.NEEDS_TRITON``), never a collection error. (A test that needs Triton in its worker is skipped
+    (``kit.setup.portable.NEEDS_TRITON``), never a collection error. (A test that needs Triton in its worker is skipped
     by ``kit.checks`` when the worker reports the missing module.)"""
     report = yield
     if report.failed and isinstance(collector, pytest.Module):
-        from kit.portable import NEEDS_TRITON, triton_missing_error
+        from kit.setup.portable import NEEDS_TRITON, triton_missing_error
 
         text = str(report.longrepr)
         if "ModuleNotFoundError" in text and triton_missing_error("ModuleNotFoundError", text):

@@ -3,7 +3,7 @@
 A ``DynamicLossScaler`` that wraps or subclasses GradScaler makes every decision GradScaler makes — which is what
 ``test_scaler_matches_grad_scaler`` checks — so only this rule tells it from one the student wrote
 (handout 02, What is graded). The judge below runs the scaler through scale, unscale, a skipped step and growth
-under :func:`kit.library_rules.watch`, in the worker; :mod:`tests.support.rules` adds a reading of the source
+under :func:`kit.grading.library_rules.watch`, in the worker; :mod:`tests.support.rules` adds a reading of the source
 and, when the rule is broken, fails every test marked ``builds("grad-scaler")`` with the same message.
 """
 
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import kit.impl
-from kit import library_rules
+from kit.grading import library_rules
 from tests.support import rules
 
 pytestmark = pytest.mark.stage2

@@ -29,10 +29,11 @@ import torch
 
 import kit  # noqa: F401 — before triton: the interpreter on machines without CUDA
 import kit.impl
-from kit import triton_compile, triton_private
+from kit import triton_compile
 from kit.checks import outcome_of
 from kit.model import TransformerLM, naive_attention
 from kit.testing import assert_close, assert_equal, assert_raised
+from kit.triton import triton_private
 from tests.support.flash_attention import BACKWARD_DESIGNS, backward_design, flash_class, run_named
 from tests.support.flash_attention import run as run_flash
 

@@ -6,8 +6,9 @@ right numbers; with a decoy ``@triton.jit`` kernel launched beside it (one that 
 output) it also passes the tests that look for launched kernels. Only these rules tell it from the real thing:
 
 * **sdpa**: ``FlashAttentionPytorch``, forward and backward, causal and not, every dtype, on the behaviour tests'
-  shapes and a larger one, watched by :func:`kit.library_rules.watch`: no call of ``F.scaled_dot_product_attention``
-  from the submission and no SDPA ATen kernel dispatched; the judge also reads ``pytorch_impl.py`` for calls of them.
+  shapes and a larger one, watched by :func:`kit.grading.library_rules.watch`: no call of
+  ``F.scaled_dot_product_attention`` from the submission and no SDPA ATen kernel dispatched; the judge also reads
+  ``pytorch_impl.py`` for calls of them.
 * **triton-attention**: ``FlashAttentionTriton`` in the same runs, watched: no PyTorch matmul, softmax,
   log-sum-exp or attention op may be dispatched, SDPA's included (the reference dispatches none, at any of these
   sizes); and o,
@@ -37,8 +38,9 @@ import torch
 
 import kit  # noqa: F401 — before triton: the interpreter on machines without CUDA
 import kit.impl
-from kit import library_rules, triton_private
 from kit.checks import skip_if_triton_missing
+from kit.grading import library_rules
+from kit.triton import triton_private
 from tests.support import rules
 from tests.support.flash_attention import BACKWARD_DESIGNS, backward_design, flash_class, run
 from tests.support.lineage import Lineage

@@ -183,8 +183,28 @@ def _stepwise(prefix: str, steps: int, replica: Iterator[dict]) -> dict[str, Cal
     return {_step_check(prefix, step): advance for step in range(steps)}
 
 
+# The names of the checks, each built by one function here: the ranks name the checks they run (run_checks' keys)
+# and the judge the checks it reads (SpawnedChecks.values) through the same function, so the two cannot drift.
+
+
 def _step_check(prefix: str, step: int) -> str:
+    """Step ``step`` (from 0) of the checks named ``prefix`` (:func:`_stepwise`)."""
     return f"{prefix}, step {step + 1}"
+
+
+def _training_prefix(setting: str, bucket_mb: float | None, name: str) -> str:
+    """The training checks of model ``name`` in ``setting``, one per step."""
+    return f"{setting} group, bucket_size_mb={bucket_mb}, {name}"
+
+
+def _comm_check(setting: str, name: str) -> str:
+    """The communication check of model ``name`` in ``setting``."""
+    return f"{setting} group, {name}"
+
+
+def _no_sync_prefix(kind: str, name: str) -> str:
+    """The no_sync checks of class ``kind`` on model ``name``, one per step."""
+    return f"{kind}, {name}"
 
 
 def _construction_rank() -> dict:
@@ -218,10 +238,6 @@ def _group_of(setting: str, rank: int) -> list[int]:
 
 def _bucket_sizes(kind: str) -> tuple[float | None, ...]:
     return BUCKET_SIZES if kind == "bucketed" else (None,)
-
-
-def _training_prefix(setting: str, bucket_mb: float | None, name: str) -> str:
-    return f"{setting} group, bucket_size_mb={bucket_mb}, {name}"
 
 
 def _train_replica(impl, kind: str, name: str, bucket_mb: float | None, group, ranks: list[int],
@@ -291,7 +307,7 @@ def _comm_rank(kind: str) -> dict:
     checks: dict[str, Callable[[], dict]] = {}
     for setting, group in zip(SETTINGS, (None, subgroup)):
         for name in COMM_MODELS:
-            checks[f"{setting} group, {name}"] = functools.partial(_comm_step, impl, kind, name, group,
+            checks[_comm_check(setting, name)] = functools.partial(_comm_step, impl, kind, name, group,
                                                                    _group_of(setting, rank))
     return run_checks(checks)
 
@@ -350,7 +366,7 @@ def _no_sync_rank(steps: int) -> dict:
     checks: dict[str, Callable[[], dict]] = {}
     for kind in KINDS:
         for name in NO_SYNC_MODELS:
-            checks.update(_stepwise(f"{kind}, {name}", steps, _no_sync_replica(impl, kind, name, steps)))
+            checks.update(_stepwise(_no_sync_prefix(kind, name), steps, _no_sync_replica(impl, kind, name, steps)))
     return run_checks(checks)
 
 
@@ -408,6 +424,55 @@ def _overlap_events_rank() -> dict:
             optimizer.step()
         report[kind] = [log.as_data() for log in logs]
     return report
+
+
+class MixedDtypes(nn.Module):
+    """A float64 Linear and a float32 per-class gain: parameters of two dtypes, so DDPBucketed needs a bucket (and a
+    flat buffer) of each. The float32 part is elementwise, so the float64 gradients never pass through a float32
+    matmul (whose rounding could depend on the batch size) and stay exact to float64 rounding."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wide = nn.Linear(8, 4, dtype=torch.float64)
+        self.gain = nn.Parameter(torch.rand(4) + 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.wide(x) + (x[:, :4].float() * self.gain).double()
+
+
+MIXED_STEPS = 3
+
+
+def build_mixed(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return MixedDtypes()
+
+
+def mixed_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The full float64 batch of ``step``, the same on every rank and in the judge."""
+    g = torch.Generator().manual_seed(2000 + step)
+    return (torch.randn(FULL_BATCH, 8, generator=g, dtype=torch.float64),
+            torch.randint(0, 4, (FULL_BATCH,), generator=g))
+
+
+def _mixed_dtypes_rank() -> dict:
+    """DDPBucketed(bucket_size_mb=None) on MixedDtypes, trained on this rank's shard: its buckets' names and the
+    parameters after each step."""
+    impl = kit.impl.load()
+    rank = dist.get_rank()
+    model = build_mixed(seed=rank)
+    ddp = impl.ddp.DDPBucketed(model, bucket_size_mb=None)
+    optimizer = make_optimizer(ddp.parameters())
+    steps = []
+    for step in range(MIXED_STEPS):
+        x, y = mixed_batch(step)
+        optimizer.zero_grad(set_to_none=True)
+        ddp.on_train_batch_start()
+        loss_fn(ddp, shard(x, rank, WORLD), shard(y, rank, WORLD)).backward()
+        ddp.finish_gradient_synchronization()
+        optimizer.step()
+        steps.append(_params(model))
+    return {"bucket_names": getattr(ddp, "bucket_names", None), "steps": steps}
 
 
 def _mismatched_models_rank() -> dict:
@@ -669,7 +734,7 @@ def _check_communication(kind: str) -> None:
         for name in COMM_MODELS:
             expected = _gradient_bytes(name)
             sizes = ", ".join(f"{pname} {nbytes} B" for pname, nbytes in expected)
-            for rank, got in enumerate(ranks.values(f"{setting} group, {name}")):
+            for rank, got in enumerate(ranks.values(_comm_check(setting, name))):
                 members = _group_of(setting, rank)
                 what = (f"rank {rank}, {cls} on {name} over "
                         + (f"the default group of {TRAIN_WORLD} ranks" if setting == "default"
@@ -740,6 +805,42 @@ def test_bucketed_ddp_matches_single_process() -> None:
     _check_training("bucketed")
 
 
+@functools.cache
+def _mixed_alone(steps: int) -> list[list[tuple[str, torch.Tensor]]]:
+    """One process training MixedDtypes from seed 0 (rank 0's weights) on the full batch, after each step."""
+    reference = build_mixed(seed=0)
+    optimizer = make_optimizer(reference.parameters())
+    out = []
+    for step in range(steps):
+        optimizer.zero_grad(set_to_none=True)
+        loss_fn(reference, *mixed_batch(step)).backward()
+        optimizer.step()
+        out.append([(pname, p.detach().clone()) for pname, p in reference.named_parameters()])
+    return out
+
+
+@pytest.mark.builds("torch-ddp")
+@pytest.mark.points(1)
+def test_bucketed_ddp_keeps_each_dtype() -> None:
+    """A model with float64 and float32 parameters, one bucket cap of None: on 2 ranks, 3 steps match one process
+    on the full batch, the float64 parameters to float64 precision (each dtype its own bucket and buffer)."""
+    results = run_check(_mixed_dtypes_rank, WORLD, timeout=TIMEOUT)
+    expected = _mixed_alone(MIXED_STEPS)
+    for rank, got in enumerate(results):
+        for step, params in enumerate(got["steps"]):
+            for pname, q in expected[step]:
+                # float64: the ranks average 2 float64 shard means, ~1e-16 relative per step, amplified < 1 by SGD
+                # (see check_params): rtol 1e-10 is 10⁶× that, while rounding the float64 gradient to float32
+                # (u = 6e-8) moves a parameter by ~lr·6e-8·|g| ≈ 1e-9 relative. float32: as check_params.
+                rtol, atol = (1e-10, 1e-12) if q.dtype == torch.float64 else (1e-5, 1e-6)
+                assert_close(params.get(pname), q, rtol=rtol, atol=atol, check_dtype=True,
+                             section="handout 04 §4",
+                             name=f"rank {rank}, bucketed (bucket_size_mb=None) on MixedDtypes, step {step + 1}: "
+                             f"{q.dtype} parameter {pname} (vs one process on the full batch; buckets "
+                             f"{got['bucket_names']}). Each bucket holds one dtype and its flat buffer has that "
+                             "dtype: a float32 buffer, or one bucket for both dtypes, rounds the float64 gradients")
+
+
 @pytest.mark.builds("torch-ddp")
 @pytest.mark.points(3)
 def test_no_sync_accumulates_without_communicating() -> None:
@@ -749,7 +850,7 @@ def test_no_sync_accumulates_without_communicating() -> None:
     for kind in KINDS:
         for name in NO_SYNC_MODELS:
             for step in range(NO_SYNC_STEPS):
-                for rank, got in enumerate(ranks.values(_step_check(f"{kind}, {name}", step))):
+                for rank, got in enumerate(ranks.values(_step_check(_no_sync_prefix(kind, name), step))):
                     what = f"{label(kind, 0.0005)} on {name}, step {step + 1}"
                     inside = events_from_data(got["inside"])
                     issued = [e for e in inside if e.kind == "collective"]

@@ -5,8 +5,8 @@ A DDP class that holds or subclasses ``torch.nn.parallel.DistributedDataParallel
 ``torch.distributed.Reducer`` itself) averages the gradients correctly — torch's DDP is what the hidden tests compare
 with — so only this rule tells it from one the student wrote (handout 04, What is graded). The judge below runs each
 of the four classes through construction, two synchronised steps and a ``no_sync`` micro-batch on 2 ranks under
-:func:`kit.library_rules.watch`; :mod:`tests.support.rules` adds a reading of the source and, when the rule is broken,
-fails every test marked ``builds("torch-ddp")`` with the same message.
+:func:`kit.grading.library_rules.watch`; :mod:`tests.support.rules` adds a reading of the source and, when the rule
+is broken, fails every test marked ``builds("torch-ddp")`` with the same message.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import torch.distributed as dist
 from torch import nn
 
 import kit.impl
-from kit import library_rules
 from kit.checks import run_check
+from kit.grading import library_rules
 from tests.support import rules
 
 pytestmark = pytest.mark.stage4

@@ -49,6 +49,8 @@ from tests.support.fsdp import (
     Members,
     ReduceScatterTracker,
     batch,
+    check_name,
+    comm_check_name,
     compare,
     default_units,
     expected_shard_shape,
@@ -397,7 +399,8 @@ def rank_checks() -> dict:
         "two/train_fp32": on_pair(lambda g: training_check(TRAIN_RUNS["two/train_fp32"][1], g)),
         "two/train_mixed": on_pair(lambda g: training_check(TRAIN_RUNS["two/train_mixed"][1], g)),
         "two/memory": on_pair(lambda g: memory_check("transformer", (0, 1, 2), g)),
-        **{f"two/comm/{name}": on_pair(functools.partial(comm_check, name)) for name in COMM_CONFIGS},
+        **{check_name("two", comm_check_name(name)): on_pair(functools.partial(comm_check, name))
+           for name in COMM_CONFIGS},
         "two/no_sync": on_pair(no_sync_check),
         "three/train_fp32": lambda: training_check(TRAIN_RUNS["three/train_fp32"][1]),
         "three/memory": lambda: memory_check("toy", (1,)),
@@ -428,7 +431,7 @@ def three_ranks(spawn: Any) -> Members:
 def per_run(checks: Members, name: str) -> list[tuple[str, list[dict[str, Any]], dict[str, Any]]]:
     """(run key, each rank's result, the reference) for each training run of check ``name``."""
     results = checks.values(name)
-    world, runs = TRAIN_RUNS[f"{checks.prefix}/{name}"]
+    world, runs = TRAIN_RUNS[check_name(checks.prefix, name)]
     return [(run_key(*run), [r[run_key(*run)] for r in results],
              reference_of(run[0], run[1], world, compute_dtype=run[2])) for run in runs]
 
@@ -749,7 +752,7 @@ def test_collectives_per_step_match_the_accounting(two_ranks, worker) -> None:
         assert_equal({k: (acc[k + "s"], acc[k + "_bytes"]) for k in expected}, expected,
                      name=f"{name}: fsdp_accounting's (count, bytes handed in) per collective",
                      section="handout 05b §7")
-        for rank, result in enumerate(two_ranks.values(f"comm/{name}")):
+        for rank, result in enumerate(two_ranks.values(comm_check_name(name))):
             events = events_of(result)
             step = [e for _, e in _events_between(events, "micro-batch 0", "finish returned") if e.kind == "collective"]
             counted = {op: (sum(e.op == op for e in step), sum(e.nbytes for e in step if e.op == op))
@@ -784,7 +787,7 @@ def prefetch_steps(two_ranks: Members) -> list[tuple[int, str, int, list[Event],
     """(rank, configuration, prefetch, the counted step's events, the units in execution order) at prefetch 1 and 0."""
     out = []
     for name, prefetch in (("reshard/fp32/prefetch1", 1), ("reshard/fp32/prefetch0", 0)):
-        for rank, result in enumerate(two_ranks.values(f"comm/{name}")):
+        for rank, result in enumerate(two_ranks.values(comm_check_name(name))):
             events = events_of(result)
             step = events[_mark(events, "micro-batch 0"):]
             out.append((rank, name, prefetch, step, execution_order(step)))
@@ -881,7 +884,7 @@ def test_backward_prefetch_and_reduce_scatter_order(two_ranks) -> None:
 @pytest.mark.points(1)
 def test_replicated_gradients_identical_on_every_rank(two_ranks) -> None:
     for name in (n for n in COMM_CONFIGS if "/fp32/" in n):  # a bf16-only mistake is for Problems 5.15 and 5.17
-        grads = [r["replicated_grads"] for r in two_ranks.values(f"comm/{name}")]
+        grads = [r["replicated_grads"] for r in two_ranks.values(comm_check_name(name))]
         _, replicated = default_units(make_model("transformer"))
         assert_equal(sorted(grads[0]), sorted(replicated), name=f"{name}: replicated parameters with a gradient",
                      section="handout 05b §5")

@@ -5,7 +5,7 @@ A ``ShardedOptimizer`` that subclasses or wraps ``ZeroRedundancyOptimizer`` trai
 is what ``test_matches_torch_zero_redundancy_optimizer`` checks — so only this rule tells it from one the student
 wrote (handout 05, What is graded); likewise an ``FSDP`` built on ``fully_shard`` (handout 05b, What is graded).
 Each judge below runs construction and two training steps on 2 spawned ranks under
-:func:`kit.library_rules.watch`, and hands the objects the submission built (the optimizer; the FSDP wrapper and
+:func:`kit.grading.library_rules.watch`, and hands the objects the submission built (the optimizer; the FSDP wrapper and
 every module under it, since ``fully_shard`` swaps a module's class for an ``FSDPModule`` subclass) to
 ``check_object``. :mod:`tests.support.rules` adds a reading of the source and, when a rule is broken, fails every
 test marked ``builds("torch-zero")`` or ``builds("torch-fsdp")`` with the same message.
@@ -25,8 +25,8 @@ import torch
 from torch import nn
 
 import kit.impl
-from kit import library_rules
 from kit.checks import run_check
+from kit.grading import library_rules
 from tests.support import rules
 from tests.support.fsdp import fsdp_train
 

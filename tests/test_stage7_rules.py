@@ -7,9 +7,9 @@ does a ``FusedAdamW`` that hands its update to ``torch.optim.AdamW(foreach=True)
 what the chapter asks for:
 
 * **triton-loss**: the fused loss's forward and backward (fp32 and bf16, several tiles in every dimension), watched
-  by :func:`kit.library_rules.watch`: no PyTorch matmul, softmax, log-sum-exp or cross-entropy op may be dispatched
-  (the reference dispatches none); and the graded gradients dH and dW must each be written by a launched kernel
-  that does the matrix work — one that received a pointer into the gradient's storage (or into what it was
+  by :func:`kit.grading.library_rules.watch`: no PyTorch matmul, softmax, log-sum-exp or cross-entropy op may be
+  dispatched (the reference dispatches none); and the graded gradients dH and dW must each be written by a launched
+  kernel that does the matrix work — one that received a pointer into the gradient's storage (or into what it was
   copied, cast, concatenated or summed from, by PyTorch or by a kernel without a dot) and that runs ``tl.dot``
   (under the interpreter: executed it; on a GPU: its IR compiled for sm_90 holds ``tt.dot``). A decoy that only
   copies a gradient computed elsewhere does neither.
@@ -38,7 +38,9 @@ import torch
 
 import kit  # noqa: F401 — before triton: the interpreter on machines without CUDA
 import kit.impl
-from kit import library_rules, triton_compile, triton_private
+from kit import triton_compile
+from kit.grading import library_rules
+from kit.triton import triton_private
 from tests.support import rules
 from tests.support.lineage import Lineage
 from tests.test_stage7_fused_loss import UPSTREAM, make_inputs
@@ -107,7 +109,8 @@ def _loss_workload() -> dict:
         g = grid(named) if callable(grid) else grid
         g = tuple(int(x) for x in (g if isinstance(g, (tuple, list)) else (g,)))
         launch = triton_compile.Launch(
-            kernel.fn.__module__, kernel.fn.__qualname__, {k: triton_compile._describe(v) for k, v in named.items()},
+            kernel.fn.__module__, kernel.fn.__qualname__,
+            {k: triton_compile.describe_argument(v) for k, v in named.items()},
             g, {k: v if isinstance(v, (bool, int, float, str)) else repr(v) for k, v in options.items()})
         tensors = [v for v in named.values() if isinstance(v, torch.Tensor)]
         kept.extend(tensors)

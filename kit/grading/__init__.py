@@ -12,6 +12,13 @@
 * :mod:`~kit.grading.gradebook` — ``gradebook.csv`` and its histogram;
 * :mod:`~kit.grading.batch` — a folder of submissions, resumable after an interruption.
 
+And what those stand on:
+
+* :mod:`~kit.grading.sandbox` — the launcher of a graded run: resource limits, a watchdog, its process group;
+* :mod:`~kit.grading.tree` — copy parts of the kit into another tree (grading trees, the release, bundles);
+* :mod:`~kit.grading.library_rules` — what a submission may not call: the library version of what it builds;
+* :mod:`~kit.grading.handout_check` — the handout, the tests and the points agree.
+
 The child process (the judge) reports through :mod:`kit.grading.plugin`; the grader, not the child,
 computes the points. This package imports nothing at start-up, so the judge imports only what it uses.
 """

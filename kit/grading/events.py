@@ -65,12 +65,6 @@ class SignedLog:
         return events
 
 
-def read_events(log: Path, key: str) -> tuple[list[dict], int]:
-    """Every verified event of a finished log, and how many lines were forged or altered."""
-    reader = SignedLog(log, key)
-    return reader.read_new(), reader.forged
-
-
 @dataclass
 class Activity:
     """What the child is doing now — importing a module or running a test — and until when it may."""

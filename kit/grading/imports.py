@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from kit import stages as registry
-from kit.portable import triton_missing_error
+from kit.setup.portable import triton_missing_error
 
 
 def _modules(package: str, module: str, root: Path) -> list[str]:

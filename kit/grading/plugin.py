@@ -24,7 +24,7 @@ code under test: the tests hand named checks to worker processes and compare the
 
 Outside grading it also gives pytest ``--inline`` (:func:`kit.spawn.parent.set_inline`): a test's checks run in this
 process, so that a ``breakpoint()`` in the implementation stops in the terminal. With ``--grading-log`` it is refused,
-and so is grading on the portable path or off Linux (:func:`kit.portable.grader_refusal`).
+and so is grading on the portable path or off Linux (:func:`kit.setup.portable.grader_refusal`).
 
 It appends one JSON line per event to the log, flushed at once, so the grader still knows what passed
 if this process dies halfway:
@@ -54,6 +54,7 @@ import signal
 import site
 import sys
 import threading
+import time
 from pathlib import Path
 from types import FrameType
 
@@ -62,8 +63,8 @@ import pytest
 from kit import stages as registry
 from kit.grading import timings
 from kit.grading.events import signer
-from kit.portable import grader_refusal
-from kit.sandbox import KEY_FD_ENV
+from kit.grading.sandbox import KEY_FD_ENV
+from kit.setup.portable import grader_refusal
 from kit.spawn import parent as workers
 from kit.spawn.confine import Rules, keep_out_of_reach
 
@@ -226,7 +227,7 @@ def graded_info(item: pytest.Item) -> dict | None:
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     tests = [info for item in session.items if (info := graded_info(item)) is not None]
-    _write({"event": "collected", "tests": tests, "time": __import__("time").time(),
+    _write({"event": "collected", "tests": tests, "time": time.time(),
             "confinement": workers.confinement() if _State.log is not None else ""})
     if _State.import_timeout > 0 and _State.log is not None:
         from kit.grading.imports import check_imports
@@ -240,7 +241,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     # Stop the workers here, not at exit, so the log says how many processes they left running (killed with the
     # zygotes' cgroups): the grade reports them.
     leftovers = _State.leftovers + (workers.shutdown() if _State.log is not None else 0)
-    _write({"event": "finished", "exitstatus": int(exitstatus), "time": __import__("time").time(),
+    _write({"event": "finished", "exitstatus": int(exitstatus), "time": time.time(),
             "leftovers": leftovers})
 
 

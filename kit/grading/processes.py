@@ -1,6 +1,6 @@
 """The processes a grading run starts, and stopping all of them — after a run, or when the grader is told to.
 
-Every run's child is launched through :mod:`kit.sandbox` in its own session (so it leads a process group)
+Every run's child is launched through :mod:`kit.grading.sandbox` in its own session (so it leads a process group)
 with a unique ``KIT_GRADING_ID`` in its environment, which everything it starts inherits. After the run
 the grader kills the group, every process still carrying the marker, and every orphan re-parented to
 the grader (it is a child subreaper). The marker starts with the grader's pid, so
@@ -21,7 +21,7 @@ import signal
 import subprocess
 import threading
 
-from kit.sandbox import MARKER_ENV, PR_SET_CHILD_SUBREAPER, alive, prctl, processes
+from kit.grading.sandbox import MARKER_ENV, PR_SET_CHILD_SUBREAPER, alive, prctl, processes
 
 INTERRUPTED = threading.Event()
 _signal_received: list[int] = []

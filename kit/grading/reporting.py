@@ -7,7 +7,7 @@ from collections import Counter
 
 from kit import stages as registry
 from kit.grading.scoring import ROOT, GradeResult, TestResult
-from kit.portable import NEEDS_TRITON
+from kit.setup.portable import NEEDS_TRITON
 
 
 def gradescope_json(result: GradeResult, extra: dict | None = None) -> dict:

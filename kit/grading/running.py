@@ -1,6 +1,6 @@
 """Run the graded suite on one tree in a sandboxed child process, and keep going whatever the code does.
 
-The child (``python -m kit.sandbox … -- python -m pytest …``) is the judge: pytest with the grading plugin
+The child (``python -m kit.grading.sandbox … -- python -m pytest …``) is the judge: pytest with the grading plugin
 (:mod:`kit.grading.plugin`), which never runs the submission itself but hands it to confined worker
 processes. It gets a reduced environment, resource limits and its own process group, and reports every test
 to a signed log. The grader watches that log while the child runs:
@@ -31,14 +31,14 @@ from pathlib import Path
 from kit import stages as registry
 from kit.grading import processes, scoring, timings
 from kit.grading.events import Activity, RunRecord, SignedLog
+from kit.grading.sandbox import KEY_FD_ENV
 from kit.grading.staging import ROOT, stage_submission
-from kit.portable import grader_refusal
-from kit.sandbox import KEY_FD_ENV
+from kit.setup.portable import grader_refusal
 
 SECRET_HINTS = ("TOKEN", "SECRET", "PASSWORD", "PASSWD", "CREDENTIAL", "API_KEY", "PRIVATE_KEY", "AWS_", "GITHUB_")
 ALLOWED_ENV = {"PATH", "LANG", "LC_ALL", "LC_CTYPE", "TERM", "TZ", "USER", "LOGNAME", "SHELL", "VIRTUAL_ENV",
                "LD_LIBRARY_PATH", "CUDA_VISIBLE_DEVICES", "GLOO_SOCKET_IFNAME", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
-               "LLMSYS_FORCE_NO_TRITON"}  # the kit's own tests of a grade on a machine without Triton (kit.portable)
+               "LLMSYS_FORCE_NO_TRITON"}  # the kit's own tests of a grade on a machine without Triton (kit.setup)
 ALLOWED_PREFIXES = ("TRITON_", "NCCL_", "CUDA_", "NVIDIA_", "TORCH_")
 OUTPUT_TAIL_BYTES = 64_000
 MAX_RESUMES = 8
@@ -47,7 +47,7 @@ POLL = 0.25
 
 
 class GraderPlatformError(RuntimeError):
-    """This machine cannot grade: not Linux, or the portable path forced (:func:`kit.portable.grader_refusal`)."""
+    """This machine cannot grade: not Linux, or the portable path forced (:func:`kit.setup.portable.grader_refusal`)."""
 
 
 @dataclass
@@ -134,7 +134,7 @@ class SuiteRun:
 
     def _command(self, log: Path, failed_imports: Path, leftovers: Path, targets: list[str]) -> list[str]:
         lim = self.limits
-        return [sys.executable, "-m", "kit.sandbox", f"--memory-gb={lim.memory_gb or 0}",
+        return [sys.executable, "-m", "kit.grading.sandbox", f"--memory-gb={lim.memory_gb or 0}",
                 f"--file-gb={lim.file_gb or 0}", f"--grader-pid={os.getpid()}", f"--leftovers-file={leftovers}", "--",
                 sys.executable, "-m", "pytest", *targets, "-q", "-p", "kit", "-p", "no:cacheprovider",
                 "-p", "kit.grading.plugin", f"--grading-log={log}", f"--per-test-timeout={lim.per_test_timeout}",
@@ -266,7 +266,7 @@ def grading_jobs() -> int:
     """How many stage groups one submission's grading runs side by side by default: 2 where this process may use
     at least 2 CPUs and 6 GiB are free (each group is a judge, its workers and their ranks: 1–2 GiB), else 1.
     Under ``taskset -c 0``, or on a small Gradescope container, grading stays one process at a time."""
-    from kit.doctor import available_cpus, available_memory_gib
+    from kit.setup.doctor import available_cpus, available_memory_gib
 
     return 2 if available_cpus() >= 2 and (available_memory_gib() or 0.0) >= 6.0 else 1
 

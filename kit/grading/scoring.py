@@ -14,7 +14,7 @@ from pathlib import Path
 
 from kit import stages as registry
 from kit.grading.events import RunRecord
-from kit.portable import NEEDS_TRITON
+from kit.setup.portable import NEEDS_TRITON
 
 ROOT = Path(__file__).resolve().parents[2]
 PHASES = ("setup", "call", "teardown")
@@ -27,7 +27,7 @@ class TestResult:
     points: float
     hidden: bool
     score: float = 0.0
-    status: str = "failed"  # passed | failed | skipped (needs what this machine lacks: kit.portable.NEEDS_TRITON)
+    status: str = "failed"  # passed | failed | skipped (needs what this machine lacks: kit.setup.portable.NEEDS_TRITON)
     output: str = ""
     doc: str = ""
     problem: str = ""  # handout problem number, e.g. "3.7"; "" when no problem names the test
@@ -77,7 +77,7 @@ class GradeResult:
 
 def problem_numbers(root: Path = ROOT) -> dict[tuple[int, str], str]:
     """(stage, test function) → handout problem number (``"3.7"``), from every stage's chapters."""
-    from kit.handout_check import parse_handout
+    from kit.grading.handout_check import parse_handout
 
     mapping = {}
     for stage in registry.STAGES:

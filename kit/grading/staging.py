@@ -25,7 +25,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO
 
-from kit import tree
+from kit.grading import tree
 
 ROOT = Path(__file__).resolve().parents[2]
 

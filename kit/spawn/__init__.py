@@ -7,7 +7,7 @@ Each rank is a worker process joined into one ``torch.distributed`` process grou
 * **Warm, not fresh.** Ranks are forked from a zygote that imported torch once (:mod:`kit.spawn.zygote`),
   so 8 ranks start in a fraction of a second instead of importing torch 8 times. Each rank is still its
   own process: a rank's state never leaks into the next spawn. (On the portable path — macOS, or
-  ``LLMSYS_PORTABLE=1`` — each rank is a fresh interpreter instead: :mod:`kit.spawn.fresh`, :mod:`kit.portable`.)
+  ``LLMSYS_PORTABLE=1`` — each rank is a fresh interpreter instead: :mod:`kit.spawn.fresh`, :mod:`kit.setup.portable`.)
 * **No ports to collide.** Ranks meet through a ``FileStore`` in a private temporary folder; gloo then
   connects them over loopback on ports the operating system picks. Two test runs side by side never race.
 * **gloo on CPU, NCCL on GPU.** ``backend=None`` picks NCCL when there are at least ``world_size``
@@ -26,6 +26,13 @@ Each rank is a worker process joined into one ``torch.distributed`` process grou
 
 ``fn`` must be importable by name (a module-level function); its arguments are pickled into the ranks.
 Inside ``fn``, use ``torch.distributed`` as usual and :func:`rank_device` for the rank's device.
+
+**The harness's face.** :mod:`kit.checks` (the named checks every test hands its workers) is built on this package
+through the names below alone, never its modules' insides: in the judge, :func:`spawn` and :func:`call` (a spawn's
+or one worker call's :class:`~kit.spawn.parent.Outcome`, raw), :func:`raise_for`, :func:`limit_message` and
+:func:`silent_death` (an outcome explained), :func:`set_allowance` with an :class:`Allowance` (a test's limits);
+in a worker, :func:`in_worker`, :func:`in_rank`, :func:`report_check`, :func:`error_report`, :func:`user_stops`
+and :data:`peers_stopped`; on both sides :mod:`~kit.spawn.wire` (what may cross, and how it is read).
 """
 
 from __future__ import annotations
@@ -35,15 +42,32 @@ from typing import Any
 
 from kit import validate
 
-from .messages import errors_of, failure_message, limit_message
-from .parent import spawn
+from . import wire
+from .messages import errors_of, failure_message, limit_message, silent_death
+from .parent import Allowance, call, set_allowance, spawn
 from .rank import default_backend, rank_device
+from .worker import error_report, in_rank, in_worker, peers_stopped, report_check, user_stops
 
 __all__ = [
     "RankFailedError",
     "RankTimeoutError",
     "rank_device",
     "run_on_ranks",
+    # the harness's face (kit.checks): see the module's docstring
+    "Allowance",
+    "call",
+    "error_report",
+    "in_rank",
+    "in_worker",
+    "limit_message",
+    "peers_stopped",
+    "raise_for",
+    "report_check",
+    "set_allowance",
+    "silent_death",
+    "spawn",
+    "user_stops",
+    "wire",
 ]
 
 # pytest hides this package's frames from a failing test's traceback: the message is what matters, and a

@@ -16,7 +16,7 @@ code has run in either):
   ``test_stage1_benchmarking._stats``"): a helper that a check looks up at call time cannot be swapped either.
 
 This is a guard against the plain forgery, not a proof: code in the same process can always undo what the
-process does (README, threat model). The verdicts that matter rest on inputs the judge chooses and values it
+process does (INSTRUCTOR.md, threat model). The verdicts that matter rest on inputs the judge chooses and values it
 computes itself, which a forged record has to match.
 """
 

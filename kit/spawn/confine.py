@@ -16,7 +16,7 @@ everything it later forks, irreversibly:
 
 Landlock needs no privileges (Linux ≥ 5.13 with the Landlock LSM on, as Ubuntu ≥ 22.04 and Debian ≥ 12
 have). Where it is missing, :func:`confine` says so and the run is graded unconfined: the verdict still
-cannot be forged in-process, but files and the judge's siblings are reachable (README, threat model).
+cannot be forged in-process, but files and the judge's siblings are reachable (INSTRUCTOR.md, threat model).
 """
 
 from __future__ import annotations

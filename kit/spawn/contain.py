@@ -9,7 +9,7 @@ miss them:
   forks, whatever it does to its session, environment or parent: a worker cannot move out (it has no
   capabilities and Landlock keeps it from ``/sys``). ``cgroup.kill`` (Linux ≥ 5.14) kills them all at once;
   ``cgroup.procs`` counts them first, so the result says how many were left running. The grader creates one
-  per run (:mod:`kit.sandbox`), the judge one per zygote below it (the submission's workers, and separately
+  per run (:mod:`kit.grading.sandbox`), the judge one per zygote below it (the submission's workers, and separately
   the trusted reference ranks). Needs a writable cgroup v2 hierarchy: root, or a delegated subtree.
 * **A network namespace** (:func:`isolate_network`). Each zygote and the ranks it forks get a loopback of
   their own: no other run, no other submission and not the reference ranks can connect to their gloo
@@ -17,7 +17,7 @@ miss them:
   ``CAP_SYS_ADMIN`` (a root grader) or unprivileged user namespaces.
 
 Where the kernel refuses either, each function says why, ``kit doctor --grader`` reports it, and the run falls
-back to the ``/proc`` sweeps (README, threat model). Everything here is Linux; elsewhere each reports that.
+back to the ``/proc`` sweeps (INSTRUCTOR.md, threat model). Everything here is Linux; elsewhere each reports that.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Workers started as fresh interpreters: the start method of the portable path (:mod:`kit.portable`).
+"""Workers started as fresh interpreters: the start method of the portable path (:mod:`kit.setup.portable`).
 
 The grader's workers are forked from a zygote that imported torch once (:mod:`.zygote`). That needs what only
 Linux gives: forking a process that has imported torch (macOS does not support it: Apple's system libraries
@@ -34,7 +34,7 @@ from .zygote import Child, _import_test_modules, _unnamed_file
 __tracebackhide__ = True
 
 STARTUP_CPU_S = 15.0  # what a fresh worker may spend importing torch and the test modules, beyond its test's budget
-CONFINEMENT = "unconfined: the portable path (kit.portable) runs a student's own checks, never a grade"
+CONFINEMENT = "unconfined: the portable path (kit.setup.portable) runs a student's own checks, never a grade"
 
 
 class Spawner:

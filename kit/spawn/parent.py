@@ -28,7 +28,7 @@ from pathlib import Path
 from types import FunctionType
 from typing import Any
 
-from kit.portable import portable
+from kit.setup.portable import portable
 
 from . import wire
 from .confine import Rules
@@ -76,10 +76,6 @@ def set_allowance(value: Allowance) -> Allowance:
     global _allowance
     previous, _allowance = _allowance, value
     return previous
-
-
-class LimitExceeded(RuntimeError):
-    """A worker hung or ran away and was killed; the message says which limit and where it was."""
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -178,7 +174,7 @@ def _zygote(trusted: bool = False) -> Zygote | Spawner:
     """The zygote of the workers that run the implementation, or (``trusted``) of the reference ranks, which
     never load it: a distributed reference (torch's DDP, ``fully_shard``) computed by the judge's own code,
     out of reach of the submission's processes (another scratch folder, another confinement domain). On the
-    portable path (:mod:`kit.portable`), a :class:`~kit.spawn.fresh.Spawner` instead: fresh interpreters."""
+    portable path (:mod:`kit.setup.portable`), a :class:`~kit.spawn.fresh.Spawner` instead: fresh interpreters."""
     with _workers.lock:
         zygote = _workers.zygotes.get(trusted)
         if zygote is None or not zygote.alive():
@@ -197,7 +193,7 @@ def _zygote(trusted: bool = False) -> Zygote | Spawner:
             from .worker import in_worker
 
             preload = PRELOAD if in_worker() else PRELOAD + TRAINING_PRELOAD
-            if portable():  # never a grade (kit.portable.grader_refusal): nothing to confine or contain
+            if portable():  # never a grade (kit.setup.portable.grader_refusal): nothing to confine or contain
                 zygote = _workers.zygotes[trusted] = Spawner(env)
             else:
                 zygote = _workers.zygotes[trusted] = Zygote(scratch, None if trusted else rules, env, preload,

@@ -16,7 +16,7 @@ that the machine's load does not move:
 
 A wall-clock limit stays as the last resort (the caller's ``timeout``), far above both.
 
-Linux reads ``/proc``. The portable path (:mod:`kit.portable`: macOS, or ``LLMSYS_PORTABLE=1``) asks psutil
+Linux reads ``/proc``. The portable path (:mod:`kit.setup.portable`: macOS, or ``LLMSYS_PORTABLE=1``) asks psutil
 instead, the same figures through each system's own interface; without psutil there is no CPU accounting of
 other processes and only the wall clock limits a check.
 """
@@ -29,7 +29,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from kit.portable import portable
+from kit.setup.portable import portable
 
 try:
     import psutil

@@ -266,7 +266,8 @@ def _untampered(answer: dict) -> dict:
     return {"ok": False, "failure": {
         "type": "Tampered", "kind": "error", "traceback": "",
         "message": f"the checks in this worker were tampered with ({changed}): the graded code must not change the "
-                   "kit or the tests, so no value from this worker is taken (README, threat model)"}}
+                   "kit or the tests, so no value from this worker is taken (the instructor guide, What a grade can be "
+                   "trusted for)"}}
 
 
 def serve(channel: Connection, stacks: int, test_modules: list[str] = ()) -> None:

@@ -47,10 +47,13 @@ from .confine import Rules
 
 __tracebackhide__ = True
 
-# Imported before the first fork; a name that fails to import is skipped (triton on a machine without it).
-PRELOAD = ("numpy", "torch", "torch.distributed", "torch.nn.functional", "torch.utils._python_dispatch",
-           "torch.testing", "pytest", "triton", "triton.language", "kit", "kit.checks", "kit.testing",
-           "kit.comm_log", "kit.model", "kit.validate", "kit.spawn.worker")
+# Imported before the first fork; a name that fails to import is skipped (triton on a machine without it). The kit's
+# own names are strings (importing them here would be a cycle: kit.checks imports this package), so a move of one
+# would skip it silently: tests/kit/test_architecture.py imports each name of KIT_PRELOAD.
+LIBRARY_PRELOAD = ("numpy", "torch", "torch.distributed", "torch.nn.functional", "torch.utils._python_dispatch",
+                   "torch.testing", "pytest", "triton", "triton.language")
+KIT_PRELOAD = ("kit", "kit.checks", "kit.testing", "kit.comm_log", "kit.model", "kit.validate", "kit.spawn.worker")
+PRELOAD = LIBRARY_PRELOAD + KIT_PRELOAD
 # Imported as well by a zygote whose ranks may train. A process's first optimizer imports torch._dynamo
 # (torch.optim wraps its constructors to keep dynamo out of them): 2.4 s of CPU per rank on a 2-core machine,
 # more than the rest of a DDP test's rank (3.1 s → 0.55 s measured). The zygote pays it once (1.4 s more to

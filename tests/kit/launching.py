@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kit.sandbox import processes as all_processes
+from kit.grading.sandbox import processes as all_processes
 
 MARKER = "LLMSYS_TEST_LAUNCH"
 ROOT = Path(__file__).resolve().parents[2]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -43,13 +44,22 @@ def _tracked_files() -> dict[Path, bytes]:
                                         ROOT / "tests" / "timings.json")}
 
 
+def _submissions(folder: Path) -> Path:
+    """The attacks, copied into ``folder``, with what each builds from the kit at test time: testreport_init's
+    ``student/benchmarking.py`` is the stubs' own (``student/``), not a committed copy that could drift from them."""
+    shutil.copytree(ATTACKS, folder, dirs_exist_ok=True)
+    shutil.copy2(ROOT / "student" / "benchmarking.py", folder / "testreport_init" / "student" / "benchmarking.py")
+    return folder
+
+
 @pytest.fixture(scope="module")
 def graded(tmp_path_factory) -> tuple[dict[str, GradeResult], Path]:
     MARKER.unlink(missing_ok=True)
     before = _tracked_files()
+    submissions = _submissions(tmp_path_factory.mktemp("attacks"))
     out = tmp_path_factory.mktemp("attack-grades")
     limits = running.Limits(timeout=180, per_test_timeout=60, memory_gb=2, idle_limit=5, timing_floor=5)
-    results = batch.grade_batch(ATTACKS, out, stages=[1], limits=limits, jobs=2, include_hidden=True).results
+    results = batch.grade_batch(submissions, out, stages=[1], limits=limits, jobs=2, include_hidden=True).results
     assert _tracked_files() == before, "a submission changed the kit's own files on disk"
     return {r.submission: r for r in results}, out
 
@@ -138,7 +148,7 @@ def test_forged_log_lines_and_results_are_ignored(graded):
 
 
 @pytest.mark.skipif(not CONFINED, reason="without Landlock, workers can read and write what their user can "
-                                         "(README, threat model)")
+                                         "(INSTRUCTOR.md, threat model)")
 @pytest.mark.parametrize("name, evidence", [
     ("read_reference", "PermissionError"),
     ("read_hidden", "PermissionError"),

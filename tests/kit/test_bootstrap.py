@@ -1,4 +1,4 @@
-"""`make setup` (kit.bootstrap): installs only what is missing, offline when nothing is, from a wheel folder
+"""`make setup` (kit.setup.bootstrap): installs only what is missing, offline when nothing is, from a wheel folder
 without an index, and says exactly what is missing when it cannot proceed. No test here touches .venv:
 pip runs with ``--target`` into a temporary folder, on a fake requirement."""
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from kit import bootstrap
+from kit.setup import bootstrap
 
 pytestmark = pytest.mark.kit
 
@@ -95,7 +95,7 @@ def test_nothing_missing_calls_no_pip(monkeypatch, capsys):
 
 def test_nothing_missing_end_to_end_offline():
     env = {"PIP_NO_INDEX": "1", "PIP_INDEX_URL": "http://127.0.0.1:9/simple", "PATH": "/usr/bin:/bin"}
-    proc = subprocess.run([sys.executable, "-m", "kit.bootstrap", "--gpu"], cwd=bootstrap.ROOT, env=env,
+    proc = subprocess.run([sys.executable, "-m", "kit.setup.bootstrap", "--gpu"], cwd=bootstrap.ROOT, env=env,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "pip not called" in proc.stdout and "+ " not in proc.stdout
@@ -197,10 +197,10 @@ def test_gpu_venv_over_a_venv_with_everything_needs_no_pip(tmp_path):
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)],
                    check=True, timeout=120)
     env = {"PIP_NO_INDEX": "1", "PIP_INDEX_URL": "http://127.0.0.1:9/simple", "PATH": "/usr/bin:/bin"}
-    link = subprocess.run([sys.executable, "-m", "kit.bootstrap", "--link-site", str(venv)], cwd=bootstrap.ROOT,
+    link = subprocess.run([sys.executable, "-m", "kit.setup.bootstrap", "--link-site", str(venv)], cwd=bootstrap.ROOT,
                           env=env, capture_output=True, text=True, timeout=120)
     assert link.returncode == 0, link.stderr
-    proc = subprocess.run([str(venv / "bin" / "python"), "-m", "kit.bootstrap", "--gpu"], cwd=bootstrap.ROOT,
+    proc = subprocess.run([str(venv / "bin" / "python"), "-m", "kit.setup.bootstrap", "--gpu"], cwd=bootstrap.ROOT,
                           env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "pip not called" in proc.stdout and "\n+ " not in proc.stdout, proc.stdout

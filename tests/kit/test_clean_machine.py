@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from instructor import clean_machine, release
-from kit import bootstrap, python_check
+from kit.setup import bootstrap, python_check
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -63,7 +63,7 @@ def test_the_dockerfile_is_thin_and_runs_the_same_set_up_script():
     assert base == ["python:3.11-slim-bookworm"], base  # multi-arch (amd64, arm64); the kit's minimum Python
     runs = [arg for op, arg in instructions if op == "RUN"]
     assert any(re.search(rf"(^|\s){clean_machine.SETUP}$", run) for run in runs), runs
-    assert not any("pip install" in run or "kit.bootstrap" in run for run in runs), (
+    assert not any("pip install" in run or "kit.setup.bootstrap" in run for run in runs), (
         "the image installs through `make setup` only, the script the clean-machine test runs")
     copied = [arg for op, arg in instructions if op == "COPY"]
     assert copied == [". ."], copied
@@ -137,9 +137,9 @@ def test_a_too_old_python_is_told_what_to_install():
     assert python_check.too_old((3, 9, 2)) and not python_check.too_old((3, 11, 0))
     assert "rm -rf /x/.venv" in python_check.message((3, 10, 0), "/x/.venv/bin/python", venv="/x/.venv")
     setup_recipe = (ROOT / "Makefile").read_text().split("$(STAMP): ")[1].split("\n\n")[0]
-    assert setup_recipe.index("-m kit.python_check") < setup_recipe.index("-m venv"), (
+    assert setup_recipe.index("-m kit.setup.python_check") < setup_recipe.index("-m venv"), (
         "make setup checks the Python before it makes .venv with it")
-    proc = subprocess.run([sys.executable, "-m", "kit.python_check"], cwd=ROOT, capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-m", "kit.setup.python_check"], cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0 and proc.stderr == ""
 
 

@@ -15,7 +15,7 @@ from kit.spawn.confine import landlock_abi
 ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.skipif(landlock_abi() < 1, reason="this kernel has no Landlock: workers run unconfined "
-                                                          "here (README, threat model)")
+                                                          "here (INSTRUCTOR.md, threat model)")
 
 
 def _try(what: str, action) -> str:

@@ -161,7 +161,7 @@ def test_unknown_impl_path_is_a_clear_error():
 def test_one_cuda_detection_without_torch(monkeypatch):
     """kit/__init__ (Triton interpreter or not) and the sandbox (address-space limit or not) share it."""
     import kit
-    from kit import sandbox
+    from kit.grading import sandbox
 
     assert sandbox.cuda_present is kit.cuda_present
     for hidden in ("", "-1"):

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import toy_kit
 
-from kit.sandbox import MARKER_ENV, processes
+from kit.grading.sandbox import MARKER_ENV, processes
 
 
 @pytest.fixture(scope="module")

@@ -91,7 +91,7 @@ def _package(source: Path, dest: Path) -> None:
 
 
 @pytest.mark.skipif(not network_support().startswith("yes"), reason="this kernel gives the grader no network "
-                    "namespace: runs share loopback (README, threat model; kit doctor --grader)")
+                    "namespace: runs share loopback (INSTRUCTOR.md, threat model; kit doctor --grader)")
 def test_a_loopback_hijacker_costs_its_co_submission_nothing(tmp_path):
     submissions = tmp_path / "submissions"
     _package(ROOT / "reference", submissions / "correct" / "student")

@@ -206,14 +206,14 @@ def test_doctor_reports_versions_and_triton_mode():
 
 
 def test_handout_tests_and_points_agree():
-    from kit.handout_check import check
+    from kit.grading.handout_check import check
 
     errors = check()
     assert not errors, "the handout and the tests disagree:\n" + "\n".join(errors)
 
 
 def test_handout_check_catches_a_wrong_total(tmp_path):
-    from kit.handout_check import parse_handout
+    from kit.grading.handout_check import parse_handout
 
     chapter = tmp_path / "09-x.md"
     chapter.write_text("### Problem 9.1 — Thing (3 points)\nTests: `test_a`, `test_b`\n"
@@ -224,7 +224,7 @@ def test_handout_check_catches_a_wrong_total(tmp_path):
 
 
 def test_doctor_says_what_a_grading_machine_lacks(monkeypatch):
-    from kit import doctor
+    from kit.setup import doctor
     from kit.spawn import confine
 
     monkeypatch.setattr(doctor, "available_cpus", lambda: 1.0)

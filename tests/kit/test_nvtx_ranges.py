@@ -9,8 +9,8 @@ import sys
 import pytest
 import torch
 
-import kit.doctor
 import kit.nvtx_ranges
+import kit.setup.doctor
 
 pytestmark = pytest.mark.kit
 
@@ -49,7 +49,7 @@ def test_fallback_is_a_no_op_without_cuda(without_nvtx_package, monkeypatch):
 
 
 def test_doctor_says_ranges_fall_back(without_nvtx_package):
-    report = kit.doctor.report()
+    report = kit.setup.doctor.report()
     assert "NVTX ranges fall back to torch.cuda.nvtx" in report, report
 
 

@@ -1,4 +1,4 @@
-"""A student's own machine (kit.portable): the portable path needs nothing Linux-only, Triton's absence is a skip
+"""A student's own machine (kit.setup.portable): the portable path needs nothing Linux-only, Triton's absence is a skip
 that says why, and the grader refuses both the portable path and any platform but Linux.
 
 Linux stands in for macOS here: ``LLMSYS_PORTABLE=1`` forces the portable path, ``LLMSYS_FORCE_NO_TRITON=1`` hides
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from kit.grading import reporting, scoring
-from kit.portable import NEEDS_TRITON, grader_refusal, triton_missing_error
+from kit.setup.portable import NEEDS_TRITON, grader_refusal, triton_missing_error
 
 ROOT = Path(__file__).resolve().parents[2]
 

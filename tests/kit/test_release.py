@@ -125,7 +125,8 @@ def test_release_contains_no_answer_key(built_release: Path):
     """The instructor's answer key never ships: not its templates or its renderer (instructor/), not a rendered
     key, and no line of a key's text in any shipped file."""
     assert (ROOT / "instructor" / "answers").is_dir(), "the answer key is missing from the instructor's kit"
-    for path in ("instructor", "answers-output", "reference", "tests/hidden", "tests/kit", "CONTRIBUTING.md"):
+    for path in ("instructor", "answers-output", "reference", "tests/hidden", "tests/kit", "CONTRIBUTING.md",
+                 "INSTRUCTOR.md"):
         assert not (built_release / path).exists(), f"the student release contains {path}"
     handouts = "\n".join(p.read_text() for p in (ROOT / "handout").glob("*.md"))
     key_lines = {ln.strip() for p in (ROOT / "instructor" / "answers").glob("*") if p.is_file()
@@ -173,9 +174,19 @@ def test_every_command_the_release_lists_works_there(built_release: Path, tmp_pa
 
 
 def test_release_links_resolve(built_release: Path):
-    """A relative link in the release's README or handout points at a file the release has."""
+    """Every relative link in every markdown file the release ships (README, handout, benchmark tables, …) points at a
+    file the release has; the instructor's guide is not shipped, and README's pointer to it is dropped, not left
+    dangling (``release.INSTRUCTOR_ONLY_LINE``)."""
+    assert (ROOT / "INSTRUCTOR.md").is_file(), "the instructor's guide is missing from the instructor's kit"
+    assert not (built_release / "INSTRUCTOR.md").exists(), "the student release contains INSTRUCTOR.md"
+    assert "INSTRUCTOR.md" in (ROOT / "README.md").read_text(), "README.md should point instructors to INSTRUCTOR.md"
+    readme = (built_release / "README.md").read_text()
+    assert "INSTRUCTOR.md" not in readme and release.INSTRUCTOR_ONLY_LINE not in readme, (
+        "the release's README still names INSTRUCTOR.md, which it does not ship")
+    pages = sorted(p for p in built_release.rglob("*.md") if ".venv" not in p.relative_to(built_release).parts)
+    assert built_release / "README.md" in pages and any(p.parent.name == "handout" for p in pages)
     broken = []
-    for page in [built_release / "README.md", *sorted((built_release / "handout").glob("*.md"))]:
+    for page in pages:
         # Code (fenced blocks and `spans`) is not prose: `kernel[grid](...)` is a call, not a link.
         prose = re.sub(r"`[^`\n]*`", "", re.sub(r"```.*?```", "", page.read_text(), flags=re.S))
         for target in re.findall(r"\]\(([^)#:\s]+)(?:#[^)]*)?\)", prose):

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from kit.portable import portable
+from kit.setup.portable import portable
 from kit.spawn import RankFailedError, RankTimeoutError, parent, run_on_ranks
 
 

@@ -146,12 +146,13 @@ def test_large_honest_messages_decode_as_before():
 def test_the_judge_cpu_limit_reaches_the_judge_from_the_command_line():
     import argparse
 
-    from kit.__main__ import _limit_options, _limits
+    from kit.__main__ import add_limit_options, limits_of
 
     parser = argparse.ArgumentParser()
-    _limit_options(parser)
-    assert _limits(parser.parse_args([])).judge_cpu_limit == plugin.JUDGE_CPU_LIMIT == running.Limits().judge_cpu_limit
-    assert _limits(parser.parse_args(["--judge-cpu-limit", "7"])).judge_cpu_limit == 7.0
+    add_limit_options(parser)
+    default = limits_of(parser.parse_args([])).judge_cpu_limit
+    assert default == plugin.JUDGE_CPU_LIMIT == running.Limits().judge_cpu_limit
+    assert limits_of(parser.parse_args(["--judge-cpu-limit", "7"])).judge_cpu_limit == 7.0
 
 
 BURN = '''import time

@@ -15,7 +15,8 @@ import sys
 from pathlib import Path
 
 from instructor.scaffold import add_entry
-from kit import stages, tree
+from kit import stages
+from kit.grading import tree
 
 ROOT = Path(__file__).resolve().parents[2]
 FIRST = max(stages.numbers()) + 1  # the toy stages' numbers: the next free ones

@@ -360,14 +360,25 @@ class ReduceScatterTracker(SourceTracker):
         return []
 
 
+def check_name(group: str, name: str) -> str:
+    """The check ``name`` of the ranks of ``group`` (``"two"``, ``"three"``): the one place its name is built, by the
+    ranks (``run_checks``' keys) and by the judge (:meth:`Members.values`) alike."""
+    return f"{group}/{name}"
+
+
+def comm_check_name(config: str) -> str:
+    """The communication check of configuration ``config`` (``COMM_CONFIGS``), within its group."""
+    return f"comm/{config}"
+
+
 class Members:
-    """The values of one group's checks in the spawn: ``values(name)`` reads ``<prefix>/<name>`` on its ranks."""
+    """The values of one group's checks in the spawn: ``values(name)`` reads :func:`check_name` on its ranks."""
 
     def __init__(self, checks: Any, prefix: str, ranks: list[int]) -> None:
         self.checks, self.prefix, self.ranks = checks, prefix, ranks
 
     def values(self, name: str) -> list[Any]:
-        values = self.checks.values(f"{self.prefix}/{name}")
+        values = self.checks.values(check_name(self.prefix, name))
         return [values[r] for r in self.ranks]
 
 

@@ -1,10 +1,10 @@
 """The library rules' verdicts, once per session, and the gate that takes a thing's points from a library wrapper.
 
 Each chapter says what the student builds and which library implementation of it they may not call
-(:mod:`kit.library_rules`). ``tests/test_stage<N>_rules.py`` registers, for each rule, a *judge*: it runs a
-representative workload of the graded code under :func:`kit.library_rules.watch` in the worker (or on spawned
+(:mod:`kit.grading.library_rules`). ``tests/test_stage<N>_rules.py`` registers, for each rule, a *judge*: it runs a
+representative workload of the graded code under :func:`kit.grading.library_rules.watch` in the worker (or on spawned
 ranks) and returns the violations it recorded, as data. :func:`verdict` runs it once per session and adds the
-judge's own reading of the submission's source (:func:`kit.library_rules.static_findings`).
+judge's own reading of the submission's source (:func:`kit.grading.library_rules.static_findings`).
 
 Two things read the verdict:
 
@@ -23,8 +23,9 @@ from dataclasses import dataclass
 
 import pytest
 
-from kit import impl, library_rules
-from kit.portable import NEEDS_TRITON, triton_missing_error
+from kit import impl
+from kit.grading import library_rules
+from kit.setup.portable import NEEDS_TRITON, triton_missing_error
 
 Judge = Callable[[pytest.FixtureRequest], list[dict]]
 _JUDGES: dict[str, Judge] = {}

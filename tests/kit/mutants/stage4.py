@@ -86,6 +86,12 @@ MUTANTS = [
                    "                if True:\n                    p.grad.copy_(",
            mistake="gives a parameter that got no gradient a zero .grad, so weight decay and momentum move it (§7)",
            expect="never_used"),
+    Mutant("bucket-buffer-default-dtype", "ddp.py",
+           find="            torch.zeros(n, dtype=b[0].dtype, device=b[0].device)\n",
+           replace="            torch.zeros(n, device=b[0].device)\n",
+           mistake="allocates every bucket's flat buffer in the default dtype (float32): a float64 bucket's gradients "
+                   "are rounded to float32 on their way through the all-reduce (§4)",
+           expect="MixedDtypes.*float64 parameter"),
     Mutant("bucket-state-not-reset", "ddp.py",
            find="        self._ready_count = [0] * len(self._bucket_params)\n"
                 "        self._handles = [None] * len(self._bucket_params)\n        # END SOLUTION",

@@ -12,7 +12,7 @@ import shutil
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 # Never part of a copy: caches and editor or notebook leftovers.
 CACHES = ("__pycache__", ".pytest_cache", ".ipynb_checkpoints", ".ruff_cache")
 

@@ -42,11 +42,11 @@ def report() -> str:
     else:
         lines.append("  CUDA device none")
     interp = kit.triton_interpreted()
-    from kit.portable import NEEDS_TRITON, portable, triton_available
+    from kit.setup.portable import NEEDS_TRITON, portable, triton_available
 
     mode = "interpreted (TRITON_INTERPRET=1)" if interp else "compiled"
     lines.append(f"  Triton mode {mode if triton_available() else 'none: its tests are skipped, ' + NEEDS_TRITON}")
-    workers = ("fresh processes (the portable path, kit/portable.py): local checks only, no grading" if portable()
+    workers = ("fresh processes (the portable path, kit/setup/portable.py): local checks only, no grading" if portable()
                else "forked from a warm zygote (Linux): local checks and grading")
     lines.append(f"  workers     {workers}")
     nsys = shutil.which("nsys")
@@ -83,7 +83,7 @@ def report() -> str:
 # ------------------------------------------------------------------------------------------------ the grader's floor
 
 # What grading one submission needs, measured on the 2-core, 24 GiB machine that records the kit's timings
-# (README, "Instructor workflow": the figures and the command that measured them).
+# (INSTRUCTOR.md, "Grading": the grader's resource floor).
 FLOOR_CPUS = 1  # grading works on one CPU, slower: Stage 6's 8 ranks take turns on it
 RECOMMENDED_CPUS = 2
 FLOOR_MEMORY_GIB = 3.0  # the graded suite with the hidden tests peaked 2.1 GiB above the idle machine
@@ -141,7 +141,7 @@ def grader_floor() -> list[str]:
                         "for one submission at a time (--jobs 1)")
     if landlock_abi() < 1:
         problems.append("no Landlock in this kernel: workers run unconfined, so a submission could read and write "
-                        "what the grader's user can (README, 'What a grade can be trusted for')")
+                        "what the grader's user can (INSTRUCTOR.md, 'What a grade can be trusted for')")
     problems += [f"{what}: {why.removeprefix('no: ')}" for what, why in containment().items() if why.startswith("no")]
     return problems
 

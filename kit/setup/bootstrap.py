@@ -5,10 +5,10 @@ what is installed (``importlib.metadata``), and calls pip only for what is missi
 everything is there, pip is not called at all: a machine without a package registry sets up offline.
 The kit itself is not installed: it runs from the repository, so ``student`` is the folder next to the tests.
 
-    python -m kit.bootstrap                       # CPU machine: pins from constraints-cpu.txt
-    python -m kit.bootstrap --gpu                 # CUDA machine: keep its torch, triton and numpy
-    python -m kit.bootstrap --gpu --wheels DIR    # install what is missing from DIR only (no index)
-    python -m kit.bootstrap --download DIR        # on a connected machine: fill DIR for the line above
+    python -m kit.setup.bootstrap                       # CPU machine: pins from constraints-cpu.txt
+    python -m kit.setup.bootstrap --gpu                 # CUDA machine: keep its torch, triton and numpy
+    python -m kit.setup.bootstrap --gpu --wheels DIR    # install what is missing from DIR only (no index)
+    python -m kit.setup.bootstrap --download DIR        # on a connected machine: fill DIR for the line above
 
 On a CUDA machine (``--gpu``) the installed torch and triton are never replaced, numpy is never
 downgraded (the ``numpy<2.4`` pin of constraints-cpu.txt is for the CPU Triton interpreter only), and
@@ -28,11 +28,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from kit import python_check
+from kit.setup import python_check
 
 try:
     import tomllib
-except ModuleNotFoundError:  # Python < 3.11: main() says what to install (kit.python_check), not a traceback
+except ModuleNotFoundError:  # Python < 3.11: main() says what to install (kit.setup.python_check), not a traceback
     tomllib = None
 
 try:
@@ -42,7 +42,7 @@ except ImportError:  # a bare interpreter: pip vendors packaging
     from pip._vendor.packaging.requirements import Requirement
     from pip._vendor.packaging.utils import canonicalize_name
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CONSTRAINTS = ROOT / "constraints-cpu.txt"
 # A CUDA machine brings its own builds of these: never install, replace or downgrade them there.
 KEPT_ON_GPU = ("torch", "triton", "numpy")
@@ -180,7 +180,7 @@ def how_to_get(missing: list[str], *, gpu: bool) -> str:
     names = " ".join(f"'{m}'" for m in missing)
     flag = " GPU=1" if gpu else ""
     return "\n".join([
-        "kit.bootstrap: these requirements are missing or too old and could not be installed:",
+        "kit.setup.bootstrap: these requirements are missing or too old and could not be installed:",
         *(f"  - {m}" for m in missing),
         "Two ways to get them:",
         f"  1. with a package index: make setup{flag}   (or: python -m pip install {names})",
@@ -193,12 +193,12 @@ def setup(*, gpu: bool, wheels: Path | None, run: Callable[[list[str]], int] = s
           version_of: Callable[[str], str | None] = installed_version) -> int:
     """Install what is missing; return the exit status (0 also when only optional packages stay missing)."""
     p = plan(requirements(), gpu=gpu, pins=[] if gpu else constraints(), version_of=version_of)
-    print(f"kit.bootstrap: {len(p.present)} requirement(s) present: {', '.join(p.present) or '-'}", flush=True)
+    print(f"kit.setup.bootstrap: {len(p.present)} requirement(s) present: {', '.join(p.present) or '-'}", flush=True)
     if not p.missing:
-        print("kit.bootstrap: nothing to install (pip not called)")
+        print("kit.setup.bootstrap: nothing to install (pip not called)")
         return 0
     if wheels is not None and not Path(wheels).is_dir():
-        print(f"kit.bootstrap: WHEELS={wheels} is not a folder")
+        print(f"kit.setup.bootstrap: WHEELS={wheels} is not a folder")
         print(how_to_get(p.missing, gpu=gpu))
         return 2
     with tempfile.TemporaryDirectory() as tmp:
@@ -211,15 +211,15 @@ def setup(*, gpu: bool, wheels: Path | None, run: Callable[[list[str]], int] = s
             # First try as configured (a machine with its own mirror or wheel folder has the CPU build there);
             # only when that fails, PyTorch's CPU index — never tried first, so a machine that cannot reach it
             # (an offline grader, a CI mirror) never waits on it.
-            print("kit.bootstrap: retrying with PyTorch's CPU wheels (PyPI's Linux torch is the CUDA build, which "
-                  "needs another triton than the kit's pin)", flush=True)
+            print("kit.setup.bootstrap: retrying with PyTorch's CPU wheels (PyPI's Linux torch is the CUDA build, "
+                  "which needs another triton than the kit's pin)", flush=True)
             cmd = install_command(p.missing, gpu=gpu, wheels=wheels, keep=keep, torch_cpu_index=True)
             print("+", " ".join(cmd), flush=True)
             status = run(cmd)
     if status == 0:
         return 0
     if not p.required_missing:
-        print("kit.bootstrap: optional on a CUDA machine, still missing: " + ", ".join(p.optional)
+        print("kit.setup.bootstrap: optional on a CUDA machine, still missing: " + ", ".join(p.optional)
               + " — NVTX ranges use torch.cuda.nvtx; `make lint`, the notebook tests and `make lab` need the others.")
         print(how_to_get(p.optional, gpu=gpu))
         return 0
@@ -267,7 +267,7 @@ def link_site(venv: Path) -> Path | None:
     target.mkdir(parents=True, exist_ok=True)
     pth = target / "_kit_parent_site.pth"
     pth.write_text("".join(f"{path}\n" for path in site.getsitepackages()))
-    print(f"kit.bootstrap: {venv} also sees {', '.join(site.getsitepackages())} ({pth.name})")
+    print(f"kit.setup.bootstrap: {venv} also sees {', '.join(site.getsitepackages())} ({pth.name})")
     return pth
 
 
@@ -295,9 +295,11 @@ def main(argv: list[str] | None = None) -> int:
         rc = subprocess.call(cmd)
         dropped = prune_wheelhouse(args.download)
         if dropped:
-            print("kit.bootstrap: removed (the CUDA machine keeps its own): " + ", ".join(w.name for w in dropped))
+            print("kit.setup.bootstrap: removed (the CUDA machine keeps its own): "
+                  + ", ".join(w.name for w in dropped))
         size = sum(w.stat().st_size for w in args.download.glob("*.whl")) / 2**20
-        print(f"kit.bootstrap: {args.download}/ holds {len(list(args.download.glob('*.whl')))} wheels, {size:.0f} MiB")
+        count = len(list(args.download.glob("*.whl")))
+        print(f"kit.setup.bootstrap: {args.download}/ holds {count} wheels, {size:.0f} MiB")
         return rc
     return setup(gpu=args.gpu, wheels=args.wheels)
 

@@ -39,6 +39,30 @@ _SDPA_OPS = ("scaled_dot_product_attention", "_scaled_dot_product_attention_math
              "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_cudnn_attention_backward",
              "_scaled_dot_product_fused_attention_overrideable", "_flash_attention_forward",
              "_flash_attention_backward", "_efficient_attention_forward", "_efficient_attention_backward")
+# torch's context parallelism (handout 06b, What is graded), as torch 2.13 has it: the implementation lives in
+# experimental._context_parallel._attention; experimental._attention (the module before torch 2.8) is a stub that
+# re-exports its public and ring functions, patched there too. Torch's own functions reach the private ones
+# through their module's globals and its classes' methods, so a submission that imported a name before the watch
+# began still trips the rotater, the merger or the ring's backward. An entry another torch lacks is skipped
+# (:func:`_patch`), and the judge's reading of the source (``_CP_STATIC``) does not depend on the version.
+_CP = "torch.distributed.tensor.experimental"
+_CP_REEXPORTED = ("context_parallel", "context_parallel_unshard", "_context_parallel_shard", "set_rotate_method",
+                  "_enable_context_parallel_dispatcher", "_templated_ring_attention")
+_CP_INTERNAL = ("_templated_ring_attention_backward", "_create_rotater", "_scaled_dot_product_ring_flash_attention",
+                "_scaled_dot_product_ring_flash_attention_backward", "_scaled_dot_product_ring_efficient_attention",
+                "_scaled_dot_product_ring_efficient_attention_backward", "_scaled_dot_product_ring_cudnn_attention",
+                "_scaled_dot_product_ring_cudnn_attention_backward", "_SDPAMerger.step",
+                "_AllToAllRotater.exchange_buffers", "_AllGatherRotater.exchange_buffers", "_ContextParallel.__init__")
+_CP_ENTRIES = (tuple(f"{_CP}.{name}" for name in ("context_parallel", "local_map", "register_sharding",
+                                                  "implicit_replication"))
+               + tuple(f"{_CP}._attention.{name}" for name in _CP_REEXPORTED)
+               + tuple(f"{_CP}._context_parallel._attention.{name}" for name in _CP_REEXPORTED + _CP_INTERNAL))
+_CP_STATIC = ("context_parallel", "context_parallel_unshard", "_context_parallel_shard", "local_map",
+              "register_sharding", "implicit_replication", "set_rotate_method", "_templated_ring_attention",
+              "_templated_ring_attention_backward", "_create_rotater", "_SDPAMerger", "_RingRotater",
+              "_AllToAllRotater", "_AllGatherRotater", "_ContextParallel", "_AttentionContextParallel",
+              "_scaled_dot_product_ring_flash_attention", "_scaled_dot_product_ring_efficient_attention",
+              "_scaled_dot_product_ring_cudnn_attention")
 # What a Triton path must leave to its kernels: the matrix products, the softmax and its log-sum-exp, attention,
 # the loss. (Elementwise work, reductions for checks, allocation and copies stay allowed in the wrapper.)
 _TORCH_MATH_OPS = ("mm", "bmm", "matmul", "addmm", "baddbmm", "addbmm", "dot", "mv", "linear", "einsum",
@@ -113,6 +137,14 @@ RULES: tuple[Rule, ...] = (
          classes=("torch.distributed.fsdp.FullyShardedDataParallel", "torch.distributed.fsdp.FSDPModule"),
          allowed="collectives (all_gather_into_tensor, reduce_scatter_tensor…), hooks, torch.autograd.Function",
          modules=("fsdp.py",), static=("fully_shard", "FullyShardedDataParallel", "FSDPModule")),
+    Rule("torch-context-parallel", 6, "ring attention (context parallelism)",
+         "torch.distributed.tensor.experimental's context parallelism and PyTorch's attention kernels",
+         "handout 06b, What is graded",
+         entries=("torch.nn.functional.scaled_dot_product_attention", *_CP_ENTRIES), ops=_SDPA_OPS,
+         allowed="torch.distributed point-to-point calls and collectives (isend, irecv, P2POp, batch_isend_irecv, "
+                 "all_gather…) and their work handles; plain tensor arithmetic for the merge (exp, log1p, maximum, "
+                 "sums); the block interface (attention_forward_with_lse, attention_backward_with_lse)",
+         modules=("parallel/context_parallel.py",), static=_CP_STATIC + _SDPA_OPS),
     Rule("torch-adamw", 7, "the fused AdamW update (FusedAdamW)", "torch.optim.Adam / AdamW and their kernels",
          "handout 07b, What is graded",
          entries=("torch.optim.Adam.__init__", "torch.optim.AdamW.__init__", "torch.optim.adam._single_tensor_adam",
@@ -317,7 +349,7 @@ def submission_root(package: str | None = None) -> Path | None:
     refuses that). None when there is no such folder."""
     from kit import impl
 
-    folder = Path(__file__).resolve().parent.parent / (package or impl.selected())
+    folder = Path(__file__).resolve().parents[2] / (package or impl.selected())
     return folder if folder.is_dir() else None
 
 

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from kit import stages as registry
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PROBLEM = re.compile(r"^###\s+Problem\s+(?P<stage>\d+)\.(?P<num>\d+)\s+[—-]+\s+(?P<title>.+?)\s+"
                      r"\((?P<kind>(?P<points>\d+(?:\.\d+)?)\s+points?|written[^)]*)\)\s*$")
 TESTS_LINE = re.compile(r"^Tests:\s*(?P<names>.+)$")

@@ -1,6 +1,6 @@
 """The child process of :mod:`kit.triton_compile`: compile recorded kernel launches for sm_90, interpreter off.
 
-Run by :func:`kit.triton_compile._run_child` as ``python -m kit.triton_compile_child MODE IN.json OUT.json``
+Run by :func:`kit.triton_compile._run_child` as ``python -m kit.triton.triton_compile_child MODE IN.json OUT.json``
 with ``TRITON_INTERPRET=0`` (the parent runs kernels in the interpreter, where a ``@triton.jit`` function
 is not compilable; here the kernels' modules are imported afresh, compiled) and the kernels' repository
 on ``PYTHONPATH``. Modes:
@@ -12,8 +12,8 @@ on ``PYTHONPATH``. Modes:
   the compiler for every kernel it launches (the ground truth ``inputs`` is tested against);
 * ``run-compile``: the same, compiled: OUT is one report per kernel compiled, as in ``compile``.
 
-Each launch goes through Triton's own launcher, as on a GPU (:func:`kit.triton_private.compile_as_launched`
-inside :func:`kit.triton_private.gpu_target`): a tensor argument is replaced by :class:`TensorStandIn`,
+Each launch goes through Triton's own launcher, as on a GPU (:func:`kit.triton.triton_private.compile_as_launched`
+inside :func:`kit.triton.triton_private.gpu_target`): a tensor argument is replaced by :class:`TensorStandIn`,
 which has what the launcher reads of a tensor — its dtype and address — so the launcher specialises the
 kernel exactly as it would for the recorded tensor.
 """
@@ -30,7 +30,7 @@ from typing import Any
 os.environ["TRITON_INTERPRET"] = "0"  # before triton is imported: kernels defined from here on compile
 os.environ["TRITON_DUMP_PTXAS_LOG"] = "1"  # ptxas -v output, printed by Triton as it compiles
 
-from kit import triton_private  # noqa: E402 — after the environment is set
+from kit.triton import triton_private  # noqa: E402 — after the environment is set
 
 
 class TensorStandIn:
@@ -70,8 +70,17 @@ def _report(kernel, inputs: dict, ptxas: str) -> dict:
 
 
 def _error(e: Exception) -> dict:
-    message = str(e).strip() or type(e).__name__
-    return {"error": f"{type(e).__name__}: {message}"[-4000:], "shared": 0, "ptxas": "", "ttir": "", "wgmma": False,
+    """The compile failure as data. Triton's CompilationError names only the source line; the reason (for example
+    "K >= 16" from tl.dot, or the shared memory asked for) is in the chained exception, so the chain is kept."""
+    parts: list[str] = []
+    seen: set[int] = set()
+    link: BaseException | None = e
+    while link is not None and id(link) not in seen:
+        seen.add(id(link))
+        parts.append(f"{type(link).__name__}: {str(link).strip() or type(link).__name__}")
+        link = link.__cause__ or link.__context__
+    message = "\n  caused by ".join(parts)
+    return {"error": message[-4000:], "shared": 0, "ptxas": "", "ttir": "", "wgmma": False,
             "inputs": {}}
 
 

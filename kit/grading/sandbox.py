@@ -1,4 +1,4 @@
-"""Launch a command under resource limits and a watchdog: ``python -m kit.sandbox --memory-gb 8 -- CMD …``.
+"""Launch a command under resource limits and a watchdog: ``python -m kit.grading.sandbox --memory-gb 8 -- CMD …``.
 
 The grader starts every graded run through this launcher (in a new session, so the launcher leads the
 run's process group) instead of ``preexec_fn``, which is unsafe when the grader runs several submissions
@@ -174,7 +174,7 @@ def watch(command: list[str], grader_pid: int, memory_gb: float | None, file_gb:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m kit.sandbox")
+    parser = argparse.ArgumentParser(prog="python -m kit.grading.sandbox")
     parser.add_argument("--memory-gb", type=float, default=None)
     parser.add_argument("--file-gb", type=float, default=None)
     parser.add_argument("--grader-pid", type=int, default=None, help="stay as a watchdog; kill the run if it dies")

@@ -1,9 +1,10 @@
-"""Is this Python new enough for the kit? ``make setup`` asks before it makes ``.venv``; ``kit.bootstrap`` asks too.
+"""Is this Python new enough for the kit? ``make setup`` asks before it makes ``.venv``; ``kit.setup.bootstrap`` asks
+too.
 
 It runs on any Python 3 (the standard library only, nothing 3.11-only), so that an old interpreter gets a message
 that says what to install instead of a traceback (``tomllib``, new in 3.11, is the first thing the set-up needs)::
 
-    python3 -m kit.python_check        # exit 0, silent, on Python >= 3.11; else the message and exit 1
+    python3 -m kit.setup.python_check        # exit 0, silent, on Python >= 3.11; else the message and exit 1
 """
 
 from __future__ import annotations
