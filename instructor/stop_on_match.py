@@ -32,9 +32,13 @@ except ImportError:  # pragma: no cover — depends on the installed pytest
 
 
 def junit_message(report: pytest.TestReport) -> str:
-    """The message junit-xml writes for a failed ``report`` (``_pytest.junitxml``, without its setup prefix)."""
+    """The message junit-xml writes for a failed ``report`` (``_pytest.junitxml``): an error in setup or teardown
+    has its ``failed on setup with "…"`` prefix before the shortening, which therefore keeps fewer of its lines."""
     crash = getattr(report.longrepr, "reprcrash", None)
-    return shorten_message(getattr(crash, "message", None) or str(report.longrepr))
+    reason = getattr(crash, "message", None) or str(report.longrepr)
+    if report.when in ("setup", "teardown"):
+        reason = f'failed on {report.when} with "{reason}"'
+    return shorten_message(reason)
 
 
 @pytest.hookimpl(hookwrapper=True)

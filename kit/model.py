@@ -11,8 +11,10 @@ A pre-norm decoder in the style of a first LLM assignment:
 
 The attention kernel is pluggable: ``TransformerLM(config, attention_fn=f)`` or
 ``model.set_attention(f)`` with ``f(q, k, v, is_causal) -> o`` on ``(B, H, T, d_head)`` tensors. Stage 1
-swaps in an NVTX-annotated attention, Stage 3 FlashAttention. Layers keep separate q/k/v/output and
-w1/w2/w3 projections so Stage 6 can split them across tensor-parallel ranks without touching this file.
+swaps in an NVTX-annotated attention, Stage 3 FlashAttention, Stage 6's context parallelism a ring over the
+ranks that share the sequence (with ``model.set_positions(p)``, so that the rotary embedding rotates each
+token by its position in the whole sequence). Layers keep separate q/k/v/output and w1/w2/w3 projections so
+Stage 6 can split them across tensor-parallel ranks without touching this file.
 """
 
 from __future__ import annotations
@@ -150,6 +152,11 @@ class CausalSelfAttention(nn.Module):
         self.output_proj = nn.Linear(config.d_model, config.d_model, bias=False)
         self.rope = rope
         self.attention_fn = attention_fn
+        # The global positions of the T tokens this layer sees, int64 (T,); None: 0 … T−1. Context parallelism
+        # (Stage 6, handout 06b §6) sets them: a rank holding a shard of the sequence must rotate each token by
+        # its place in the whole sequence, not in the shard. Not a buffer: it differs between the ranks of a
+        # context-parallel group, so nothing that broadcasts or compares buffers across ranks (DDP) may touch it.
+        self.positions: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: ``(B, T, d)`` → ``(B, T, d)``. Head count comes from the q projection's width, so a
@@ -158,7 +165,10 @@ class CausalSelfAttention(nn.Module):
         q, k, v = (
             proj(x).view(b, t, -1, self.d_head).transpose(1, 2) for proj in (self.q_proj, self.k_proj, self.v_proj)
         )
-        positions = torch.arange(t, device=x.device)
+        positions = torch.arange(t, device=x.device) if self.positions is None else self.positions
+        if positions.shape != (t,):
+            raise ValueError(f"attention positions have shape {tuple(positions.shape)}, but the input holds {t} tokens "
+                             "(set_positions: one global position per token this rank holds)")
         q, k = self.rope(q, positions), self.rope(k, positions)
         o = self.attention_fn(q, k, v, True)
         return self.output_proj(o.transpose(1, 2).reshape(b, t, -1))
@@ -218,6 +228,19 @@ class TransformerLM(nn.Module):
             raise TypeError(f"attention_fn must be callable, got {type(attention_fn).__name__}")
         for block in self.layers:
             block.attn.attention_fn = attention_fn
+
+    def set_positions(self, positions: torch.Tensor | None) -> None:
+        """Rotate the tokens of every forward from now on by these global positions, int64 ``(T,)``, instead of
+        0 … T−1 (``None`` restores that). Context parallelism: a rank holding tokens ``positions`` of a longer
+        sequence (handout 06b §6)."""
+        if positions is not None:
+            if not isinstance(positions, torch.Tensor) or positions.dtype != torch.long or positions.dim() != 1:
+                raise TypeError(f"positions must be an int64 tensor of shape (T,) or None, got {positions!r}")
+            if len(positions) and int(positions.max()) >= self.config.context_length:
+                raise ValueError(f"positions reach {int(positions.max())} ≥ context_length "
+                                 f"{self.config.context_length}")
+        for block in self.layers:
+            block.attn.positions = positions
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.hidden_states(tokens))

@@ -66,7 +66,7 @@ STAGES: tuple[Stage, ...] = (
           ("test_stage4_*.py", "hidden/test_stage4_*.py"), designs_required=2),
     Stage(5, "Sharded data parallel: ZeRO-1 and FSDP", ("zero", "fsdp"), ("05-zero.md", "05b-fsdp.md"),
           ("test_stage5_*.py", "hidden/test_stage5_*.py"), designs_required=2),
-    Stage(6, "4D parallelism", ("parallel",), ("06-4d-parallelism.md",),
+    Stage(6, "4D parallelism", ("parallel",), ("06-4d-parallelism.md", "06b-context-parallel.md"),
           ("test_stage6_*.py", "hidden/test_stage6_*.py"), designs_required=2),
     Stage(7, "The whole training step", ("whole_step",), ("07-fused-loss.md", "07b-whole-step.md"),
           ("test_stage7_*.py", "hidden/test_stage7_*.py"), designs_required=1, gpu_kernels=True),

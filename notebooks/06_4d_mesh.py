@@ -42,7 +42,7 @@ for layout in layouts:
 
 fig, axes = plt.subplots(1, 2, figsize=(10, 4))
 for ax, layout in zip(axes, layouts):
-    grid = mesh.rank_grid(**layout)  # (pp, dp, ep, tp)
+    grid = mesh.rank_grid(**layout)[:, :, :, 0]  # (pp, dp, ep, cp, tp) → (pp, dp, ep, tp): cp = 1 here
     p_, d_, e_, t_ = grid.shape
     for p in range(p_):
         for d in range(d_):

@@ -64,6 +64,16 @@ def _fsdp_tp_compute_bound(kwargs: dict) -> dict:
     return _accounting().fsdp_tp_compute_bound(**kwargs)
 
 
+def _cp_accounting(s: int, b: int, h: int, a: int, cfg_kwargs: dict) -> dict:
+    impl = kit.impl.load()
+    acc = impl.parallel.accounting
+    cfg = impl.parallel.train_4d.Train4DConfig(**cfg_kwargs)
+    mem = {cp: acc.memory_per_device(175e9, num_layers=96, seq_len=s, micro_batch=b, d_model=h, num_heads=a,
+                                     dp=8, tp=8, pp=8, zero_stage=1, cp=cp) for cp in (1, 4)}
+    return {"mem": mem, "per_layer_short": acc.activation_bytes_per_layer(s // 4, b, h, a, tp=8),
+            "volume": {stage: acc.comm_volume_per_step(cfg, stage) for stage in range(cfg.pp)}}
+
+
 # ----------------------------------------------------------------------------------------------------
 # The tests: the judge's side
 # ----------------------------------------------------------------------------------------------------
@@ -190,3 +200,38 @@ def test_fsdp_tp_compute_bound(worker):
     for key, value in expected.items():
         assert math.isclose(got[key], value, rel_tol=1e-9), (
             f"fsdp_tp_compute_bound()[{key!r}] = {got[key]:.6g}, expected {value:.6g}. See handout 06 §6.4.")
+
+
+# cp2 × tp2 × pp2 (8 ranks) on train_4d's tiny model: the ring's traffic per stage, on paper.
+CP_COUNTED = dict(dp=1, tp=2, pp=2, ep=1, cp=2, global_batch_size=4, micro_batch_size=2, grad_accum_steps=2,
+                  seq_len=16, model=ModelConfig(vocab_size=128, context_length=16, d_model=32, d_ff=64, num_layers=4,
+                                                num_heads=4), num_experts=4, top_k=2, capacity_factor=1.25, seed=0)
+
+
+@pytest.mark.points(1)
+def test_context_parallel_accounting(worker):
+    """Handout 06b §6: a cp rank holds seq_len / cp tokens — its activations are a seq_len / cp sequence's, its tp
+    and pp traffic shrinks by cp — and the ring moves K/V blocks of b·(T/cp)·(d/tp) values: cp − 1 hops each of K
+    and V forward, again backward, and cp hops each of dK and dV back to their owner."""
+    s, b, h, a = 2048, 1, 12288, 96
+    got = worker.call(_cp_accounting, s, b, h, a, CP_COUNTED)
+    mem = got["mem"]
+    # Only the activations change with cp: those of 96/8 layers × 8 micro-batches of a 512-token sequence (the
+    # Korthikanti formula at s/cp, the judge's), the training state stays (replicated over cp).
+    short = (s // 4) * b * h * (10 + 24 / 8 + 5 * a * (s // 4) / (h * 8))
+    assert_close(torch.tensor([mem[4]["activations"], mem[4]["total"] - mem[4]["activations"]], dtype=torch.float64),
+                 torch.tensor([short * 96, mem[1]["total"] - mem[1]["activations"]], dtype=torch.float64),
+                 name="memory_per_device(cp=4): activations (those of seq_len / cp tokens) and the rest (unchanged)",
+                 section="handout 06b §6", rtol=1e-9, atol=0)
+    cfg, fp32 = CP_COUNTED, 4
+    t, d = cfg["seq_len"] // cfg["cp"], cfg["model"].d_model
+    block = cfg["micro_batch_size"] * t * (d // cfg["tp"]) * fp32  # one K (or V) block: local tokens, local heads
+    layers, m, cp = cfg["model"].num_layers // cfg["pp"], cfg["grad_accum_steps"], cfg["cp"]
+    ring = layers * m * block * (2 * (cp - 1) + 2 * (cp - 1) + 2 * cp)
+    activation = cfg["micro_batch_size"] * t * d * fp32
+    for stage, volume in got["volume"].items():
+        # Integers: exact.
+        assert_equal({k: volume.get(k) for k in (("cp", "send"), ("cp", "recv"), ("tp", "all_reduce"))},
+                     {("cp", "send"): ring, ("cp", "recv"): ring, ("tp", "all_reduce"): 2 * layers * m * activation},
+                     name=f"comm_volume_per_step(cp2 × tp2 × pp2, stage {stage}): the ring's bytes and tp's "
+                     "(on seq_len / cp tokens)", section="handout 06b §6")

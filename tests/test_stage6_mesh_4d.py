@@ -1,13 +1,17 @@
-"""Stage 6 — the 4D mesh, composed training on 8 ranks, and communication counted during a real step.
+"""Stage 6 — the mesh, composed training on 8 ranks, and communication counted during a real step.
 
-One 8-rank spawn (``kit.checks``) builds the two documented meshes, trains the tiny MoE Transformer on
-dp2 × tp2 × pp2 and on tp2 × pp2 × ep2, and counts — with ``kit.comm_log.CommLog``, a dispatch mode that
-sees every c10d collective, whoever calls it — the collectives of one step. Each test reads its own part
-of the results, as data: losses, parameters, the gradients handed to the optimizer, the recorded
-collectives. The single-process reference (same seed, same init, same global batch, same routing groups)
-runs here, in the judge, with its own mixture-of-experts layer (``tests/support/moe.py``); what a test
-needs from the implementation without ranks (``format_mesh``, ``microbatches``, the accounting's
-prediction) comes from the worker (``worker.call``).
+One 8-rank spawn (``kit.checks``) builds the three documented meshes (two 4D, one with the fifth axis, cp), trains
+the tiny MoE Transformer on dp2 × tp2 × pp2 and on tp2 × pp2 × ep2, and counts — with ``kit.comm_log.CommLog``, a
+dispatch mode that sees every c10d collective, whoever calls it — the collectives of one step. Each test reads its
+own part of the results, as data: losses, parameters, the gradients handed to the optimizer, the recorded
+collectives. The single-process reference (same seed, same init, same global batch, same routing groups) runs here,
+in the judge, with its own mixture-of-experts layer (``tests/support/moe.py``); what a test needs from the
+implementation without ranks (``format_mesh``, ``microbatches``, the accounting's prediction) comes from the worker
+(``worker.call``).
+
+A second 8-rank spawn trains with context parallelism (handout 06b §6): cp2 × dp2 × tp2, cp4 × dp2 and
+cp2 × dp2 × pp2, each against the same single-process reference, with each cp rank's tokens routed as the
+MoE group they are on the mesh. It is a spawn of its own so that a ring that deadlocks costs the cp tests only.
 """
 
 from __future__ import annotations
@@ -21,14 +25,16 @@ from kit.comm_log import CommLog, events_from_data
 from kit.data import random_batch
 from kit.model import ModelConfig, TransformerLM, cross_entropy, make_optimizer
 from kit.testing import assert_close, assert_equal, assert_raised
-from tests.support.moe import moe_transformer
+from tests.support.moe import ReferenceMoE, moe_transformer
 
 pytestmark = pytest.mark.stage6
 # The composed run checks what test_stage6_parallel_alone.py checks piece by piece: run it after those tests
 # (tests/conftest.py), so that a mistake in one piece fails first the test that names the piece.
 RUN_AFTER_UNITS = True
 
-LAYOUTS = {"2x2x2x1": dict(dp=2, tp=2, pp=2, ep=1), "1x2x2x2": dict(dp=1, tp=2, pp=2, ep=2)}
+# dp×tp×pp×ep(×cp): the two 4D layouts of handout 06 §1 and a 5D one of 06b §6.
+LAYOUTS = {"2x2x2x1": dict(dp=2, tp=2, pp=2, ep=1), "1x2x2x2": dict(dp=1, tp=2, pp=2, ep=2),
+           "2x2x1x1x2": dict(dp=2, tp=2, pp=1, ep=1, cp=2)}
 # Train4DConfig's model and training defaults (given code: train_4d.TINY_MOE …), spelled out so that the ranks train
 # exactly what the judge's single-process reference trains.
 TINY_MOE = ModelConfig(vocab_size=128, context_length=16, d_model=32, d_ff=64, num_layers=4, num_heads=4)
@@ -37,6 +43,14 @@ COMMON = dict(global_batch_size=8, micro_batch_size=2, grad_accum_steps=2, steps
               **DEFAULTS)
 TRAIN = {"dp2_tp2_pp2": dict(dp=2, tp=2, pp=2, ep=1, **COMMON),
          "tp2_pp2_ep2": dict(dp=1, tp=2, pp=2, ep=2, **COMMON)}
+# Context parallelism (handout 06b §6): a longer sequence (16: zig-zag chunks of 2 tokens at cp=4), cut over cp
+# ranks; the last run cuts it contiguously, to grade both layouts. Seed 2: its third batch is not harder than the
+# first, so the reference's loss falls over the 3 steps (seed 0's rises on these random batches; the test checks
+# that the set-up learns).
+COMMON_CP = {**COMMON, "seq_len": 16, "seed": 2}
+TRAIN_CP = {"cp2_dp2_tp2": dict(dp=2, tp=2, pp=1, ep=1, cp=2, **COMMON_CP),
+            "cp4_dp2": dict(dp=2, tp=1, pp=1, ep=1, cp=4, **COMMON_CP),
+            "cp2_dp2_pp2": dict(dp=2, tp=1, pp=2, ep=1, cp=2, cp_layout="contiguous", **COMMON_CP)}
 COUNTED_STEP = 1  # the step whose collectives are counted (not the first: nothing special may happen there)
 
 
@@ -44,8 +58,9 @@ def _mesh_check(mesh_mod, degrees) -> dict:
     import torch.distributed as dist
 
     mesh = mesh_mod.build_mesh(**degrees, device_type="cpu")
-    groups = {n: dist.get_process_group_ranks(mesh.get_group(n)) for n in ("pp", "dp", "ep", "tp")}
+    groups = {n: dist.get_process_group_ranks(mesh.get_group(n)) for n in ("pp", "dp", "ep", "cp", "tp")}
     groups["dense"] = dist.get_process_group_ranks(mesh_mod.dense_grad_group(mesh))
+    groups["expert"] = dist.get_process_group_ranks(mesh_mod.expert_grad_group(mesh))
     return {"groups": groups, "coordinate": list(mesh.get_coordinate()), "names": list(mesh.mesh_dim_names),
             "grid": mesh.mesh.tolist()}
 
@@ -53,14 +68,17 @@ def _mesh_check(mesh_mod, degrees) -> dict:
 def _train_check(impl, kwargs) -> dict:
     import contextlib
 
+    import torch.distributed as dist
+
     t4 = impl.parallel.train_4d
     cfg = t4.Train4DConfig(**kwargs)
-    mesh = impl.parallel.mesh.build_mesh(dp=cfg.dp, tp=cfg.tp, pp=cfg.pp, ep=cfg.ep, device_type="cpu")
+    mesh = impl.parallel.mesh.build_mesh(dp=cfg.dp, tp=cfg.tp, pp=cfg.pp, ep=cfg.ep, cp=cfg.cp, device_type="cpu")
     log = CommLog()
     out = t4.train(cfg, mesh, step_callback=lambda step: log if step == COUNTED_STEP else contextlib.nullcontext())
     # The collectives of the counted step, as data: the judge adds up their payload bytes.
     return {"losses": out["losses"], "params": out["params"], "coords": dict(out["coords"]),
-            "comm": log.as_data(), "grads": _first_step_gradients(t4, cfg, mesh)}
+            "comm": log.as_data(), "grads": _first_step_gradients(t4, cfg, mesh),
+            "cp_group": dist.get_process_group_ranks(mesh.get_group("cp"))}
 
 
 def _first_step_gradients(t4, cfg, mesh) -> dict[str, torch.Tensor]:
@@ -140,6 +158,12 @@ def _mesh_rank_fn() -> dict:
     return run_checks(checks)
 
 
+def _cp_rank_fn() -> dict:
+    impl = kit.impl.load()
+    return run_checks({f"train_{name}": lambda kwargs=kwargs: _train_check(impl, kwargs)
+                       for name, kwargs in TRAIN_CP.items()})
+
+
 def _format_mesh(degrees: dict) -> str:
     return kit.impl.load().parallel.mesh.format_mesh(**degrees)
 
@@ -152,18 +176,23 @@ def _batch_config(kwargs: dict) -> dict:
     return {"bad": bad, "shards": [t4.microbatches(cfg, 5, shard) for shard in range(4)]}
 
 
-def _predicted_comm(kwargs: dict) -> dict[int, dict[str, int]]:
-    """accounting's prediction for one rank of each pipeline stage, summed over axes (by_collective)."""
+def _predicted_comm(kwargs: dict, leave_out: tuple[str, ...] = ()) -> dict[int, dict[str, int]]:
+    """accounting's prediction for one rank of each pipeline stage, summed over axes (by_collective), without the
+    axes ``leave_out``."""
     impl = kit.impl.load()
     acc = impl.parallel.accounting
     cfg = impl.parallel.train_4d.Train4DConfig(**kwargs)
-    return {stage: acc.by_collective(acc.comm_volume_per_step(cfg, stage)) for stage in range(cfg.pp)}
+    return {stage: acc.by_collective({key: n for key, n in acc.comm_volume_per_step(cfg, stage).items()
+                                      if key[0] not in leave_out}) for stage in range(cfg.pp)}
 
 
 # The wall clock is the last resort, for ranks left waiting in a collective that a failed rank never joins (gloo's
 # wait is not idle enough for the idle limit): the whole spawn takes ~15 s on a loaded 2-core machine, and the ranks
 # start in ~0.2 s, so 120 s leaves a wide margin.
 ranks8 = spawned_checks(_mesh_rank_fn, 8, timeout=120)
+# The cp runs: three short trainings whose ring attention sends K/V blocks in every layer. Measured on a 2-core CPU
+# machine shared with other jobs: this spawn's setup 19 s (40 s under heavier load), ranks8's 8 s.
+ranks8_cp = spawned_checks(_cp_rank_fn, 8, timeout=120)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -171,31 +200,38 @@ ranks8 = spawned_checks(_mesh_rank_fn, 8, timeout=120)
 # ------------------------------------------------------------------------------------------------
 
 
-def _documented_layout(dp: int, tp: int, pp: int, ep: int, rank: int) -> dict:
-    """Handout 06 §1: rank = ((p·dp + d)·ep + e)·tp + t. A group holds the ranks differing in its axis only."""
-    t, e, d, p = rank % tp, rank // tp % ep, rank // (tp * ep) % dp, rank // (tp * ep * dp)
+def _documented_layout(dp: int, tp: int, pp: int, ep: int, rank: int, cp: int = 1) -> dict:
+    """Handout 06 §1 and 06b §6: rank = (((p·dp + d)·ep + e)·cp + c)·tp + t. A group holds the ranks differing
+    in its axis only; the dense gradients' group the ranks differing in dp, ep or cp, the experts' in dp or cp."""
+    t, c, e = rank % tp, rank // tp % cp, rank // (tp * cp) % ep
+    d, p = rank // (tp * cp * ep) % dp, rank // (tp * cp * ep * dp)
 
-    def r(p_, d_, e_, t_):
-        return ((p_ * dp + d_) * ep + e_) * tp + t_
+    def r(p_, d_, e_, c_, t_):
+        return (((p_ * dp + d_) * ep + e_) * cp + c_) * tp + t_
 
-    return {"coordinate": [p, d, e, t],
-            "groups": {"pp": [r(i, d, e, t) for i in range(pp)], "dp": [r(p, i, e, t) for i in range(dp)],
-                       "ep": [r(p, d, i, t) for i in range(ep)], "tp": [r(p, d, e, i) for i in range(tp)],
-                       "dense": sorted(r(p, i, j, t) for i in range(dp) for j in range(ep))}}
+    return {"coordinate": [p, d, e, c, t],
+            "groups": {"pp": [r(i, d, e, c, t) for i in range(pp)], "dp": [r(p, i, e, c, t) for i in range(dp)],
+                       "ep": [r(p, d, i, c, t) for i in range(ep)], "cp": [r(p, d, e, i, t) for i in range(cp)],
+                       "tp": [r(p, d, e, c, i) for i in range(tp)],
+                       "dense": sorted(r(p, i, j, k, t) for i in range(dp) for j in range(ep) for k in range(cp)),
+                       "expert": sorted(r(p, i, e, k, t) for i in range(dp) for k in range(cp))}}
 
 
 @pytest.mark.points(2)
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_mesh_layout(ranks8, layout):
     degrees = LAYOUTS[layout]
-    s = "handout 06 §1"
+    s = "handout 06b §6" if "cp" in degrees else "handout 06 §1"
     for rank, v in enumerate(ranks8.values(f"mesh_{layout}")):
         expected = _documented_layout(**degrees, rank=rank)
-        assert_equal(v["names"], ["pp", "dp", "ep", "tp"], name="mesh dimension names (outermost first)", section=s)
-        assert_equal(v["coordinate"], expected["coordinate"], name=f"{layout}: rank {rank}'s (pp, dp, ep, tp)",
+        assert_equal(v["names"], ["pp", "dp", "ep", "cp", "tp"], name="mesh dimension names (outermost first; cp "
+                     "just outside tp)", section=s)
+        assert_equal(v["coordinate"], expected["coordinate"], name=f"{layout}: rank {rank}'s (pp, dp, ep, cp, tp)",
                      section=s)
         for axis, members in expected["groups"].items():
-            assert_equal(sorted(v["groups"][axis]), members, name=f"{layout}: rank {rank}'s {axis} group", section=s)
+            what = {"dense": "dense-gradient group (dp × ep × cp)", "expert": "expert-gradient group (dp × cp)"}
+            assert_equal(sorted(v["groups"][axis]), members, name=f"{layout}: rank {rank}'s "
+                         f"{what.get(axis, axis + ' group')}", section=s)
 
 
 @pytest.mark.points(1)
@@ -206,6 +242,27 @@ def test_format_mesh(worker):
     assert_equal(rows, [[0, 1], [2, 3], [4, 5], [6, 7]], name="format_mesh(dp=2, tp=2, pp=2, ep=1) rank rows",
                  section="handout 06 §1")
     assert "pp=1" in text and "tp=1" in text, f"format_mesh should label the axes:\n{text}"
+
+
+def _rank_grid_with_cp(degrees: dict) -> dict:
+    mesh = kit.impl.load().parallel.mesh
+    return {"grid": mesh.rank_grid(**degrees), "text": mesh.format_mesh(**degrees)}
+
+
+@pytest.mark.points(1)
+def test_rank_grid_and_format_mesh_with_cp(worker):
+    degrees = dict(dp=2, tp=2, pp=2, ep=1, cp=2)
+    got = worker.call(_rank_grid_with_cp, degrees)
+    s = "handout 06b §6"
+    assert_equal(tuple(got["grid"].shape), (2, 2, 1, 2, 2), name="rank_grid(dp=2, tp=2, pp=2, ep=1, cp=2) shape "
+                 "(pp, dp, ep, cp, tp)", section=s)
+    # Row-major over (pp, dp, ep, cp, tp): cp just outside tp, so a cp group is tp apart.
+    assert_equal(got["grid"].flatten().tolist(), list(range(16)), name="rank_grid(dp=2, tp=2, pp=2, ep=1, cp=2), "
+                 "flattened (rank = (((p·dp + d)·ep + e)·cp + c)·tp + t)", section=s)
+    rows = [[int(tok) for tok in line.split() if tok.isdigit()] for line in got["text"].splitlines()]
+    assert_equal([r for r in rows if r], [[2 * i, 2 * i + 1] for i in range(8)],
+                 name="format_mesh(dp=2, tp=2, pp=2, ep=1, cp=2) rank rows", section=s)
+    assert "cp=1" in got["text"], f"format_mesh should label the cp index of each row:\n{got['text']}"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -276,18 +333,78 @@ TP_SHARD_DIM = {"attn.q_proj.weight": 0, "attn.k_proj.weight": 0, "attn.v_proj.w
 EXPERT = ("ffn.w1", "ffn.w2", "ffn.w3")
 
 
-def _single_process(kwargs) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor],
-                                     dict[str, torch.Tensor]]:
-    """The same model, unsharded, on one process (the judge's): the global batch cut into the same routing groups.
+GRAD_RTOL = 1e-4  # the gradient check's tolerance, relative to each element and to the tensor's largest element
+LOSS_RTOL = 1e-5  # the loss check's tolerance (relative, and absolute), without cp
+FP32_UNIT = 2.0 ** -24  # u, fp32's unit roundoff
+
+
+def _tolerances(kwargs: dict) -> tuple[float, float]:
+    """``(loss_rtol, grad_rtol)``: the 4D run's tolerances, plus what the ring's merge may add (handout 06b §2).
+
+    The ring computes each query row's attention as cp partial results ``(o_i, lse_i)`` merged in fp32:
+    ``lse = logaddexp(lse, lse_i)`` and ``o = exp(lse_old − lse)·o + exp(lse_i − lse)·o_i``. One merge rounds the
+    log-sum-exp (an exp, a log1p, an add: ≤ 3u), the two rescale factors (an exp each, amplifying the lse's error:
+    ≤ 2·(3u + u)) and the multiply-add (2u): ≤ 13u on a row's output relative to max|o_i|, call it 16u. A row
+    merges cp − 1 times, where one process's softmax rounds once: ≤ 16(cp − 1)u more per attention. Each of the L
+    layers adds its attention's error to the residual stream (a pre-norm block passes it on with gain ≲ 1 at
+    these weights), so the logits — and the cross-entropy, whose derivative in the logits is ≤ 1 — move by
+    ≤ 16(cp − 1)·L·u relative. The backward recomputes P = exp(S − lse) from the merged lse (the lse's error, not
+    reduced) and passes dK, dV around the ring, summing cp partial gradients per block in another order: twice
+    the forward's bound. At cp = 4, L = 4: 1.1e-5 on the loss, 2.3e-5 on the gradients, added to the 4D
+    tolerances (1e-5, 1e-4), which already cover the tp/dp sums' reordering."""
+    ring = 16 * (kwargs.get("cp", 1) - 1) * kwargs["model"].num_layers * FP32_UNIT
+    return LOSS_RTOL + ring, GRAD_RTOL + 2 * ring
+
+
+def _shard_positions(seq_len: int, cp: int, cp_rank: int, layout: str) -> torch.Tensor:
+    """Handout 06b §1: the global positions cp rank ``cp_rank`` holds, in its order. contiguous: chunk r of cp;
+    zigzag: chunks r and 2·cp−1−r of 2·cp."""
+    if layout == "contiguous":
+        n = seq_len // cp
+        return torch.arange(cp_rank * n, (cp_rank + 1) * n)
+    n = seq_len // (2 * cp)
+    return torch.cat([torch.arange(cp_rank * n, (cp_rank + 1) * n),
+                      torch.arange((2 * cp - 1 - cp_rank) * n, (2 * cp - cp_rank) * n)])
+
+
+class _RoutedPerShardMoE(ReferenceMoE):
+    """The judge's MoE, routing the tokens of each context-parallel rank as a group of their own.
+
+    On the mesh, a cp rank's MoE sees its shard of each sequence only: capacity and the balancing loss are that
+    shard's, in its token order, and each rank backpropagates its own shard's balancing loss (averaged over the cp
+    ranks by the gradient all-reduce). One process reproduces that by cutting each sequence the same way:
+    ``shards`` holds each cp rank's global positions (none: the whole sequence is one group)."""
+
+    shards: list[torch.Tensor] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.shards:
+            return super().forward(x)
+        outputs, aux = [], []
+        for positions in self.shards:  # x: (B, T, d); a cp rank routes x[:, positions] as one group
+            outputs.append(super().forward(x[:, positions]))
+            aux.append(self.aux_loss)
+        self.aux_loss = torch.stack(aux).mean()
+        return torch.cat(outputs, dim=1)[:, torch.cat(self.shards).argsort()]  # each token back at its position
+
+
+def _single_process(kwargs, grad_rtol: float = GRAD_RTOL) -> tuple[list[float], dict[str, torch.Tensor],
+                                                              dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """The same model, unsharded, on one process (the judge's): the global batch cut into the same routing groups
+    (with cp, each cp rank's shard of a micro-batch is a group: :class:`_RoutedPerShardMoE`).
 
     Losses per step, the final parameters, the gradients the optimizer sees at step 0, and each parameter's
-    element-wise allowance after the last step (:func:`_adamw_allowance`).
+    element-wise allowance after the last step (:func:`_adamw_step_allowance`, for gradients within ``grad_rtol``).
     """
     cfg = dict(kwargs)
     model = moe_transformer(cfg["model"], seed=cfg["seed"], num_experts=cfg["num_experts"], top_k=cfg["top_k"],
-                            capacity_factor=cfg["capacity_factor"])
+                            capacity_factor=cfg["capacity_factor"], moe_class=_RoutedPerShardMoE)
+    cp = cfg.get("cp", 1)
+    shards = [_shard_positions(cfg["seq_len"], cp, r, cfg.get("cp_layout", "zigzag")) for r in range(cp)]
     opt = make_optimizer(model, lr=cfg["lr"], weight_decay=cfg["weight_decay"])
     moes = [b.ffn for b in model.layers]
+    for moe in moes:
+        moe.shards = shards if cp > 1 else []
     shards, ga, b = cfg["dp"] * cfg["ep"], cfg["grad_accum_steps"], cfg["micro_batch_size"]
     losses, allowance, deltas = [], {}, {}
     for step in range(cfg["steps"]):
@@ -305,28 +422,27 @@ def _single_process(kwargs) -> tuple[list[float], dict[str, torch.Tensor], dict[
                      for n, p in model.named_parameters()}
         opt.step()
         for n, p in model.named_parameters():
-            step_allowance, deltas[n] = _adamw_step_allowance(p, opt, cfg["lr"], step, deltas.get(n, 0.0))
+            step_allowance, deltas[n] = _adamw_step_allowance(p, opt, cfg["lr"], step, deltas.get(n, 0.0),
+                                                              grad_rtol)
             allowance[n] = allowance.get(n, 0.0) + step_allowance
         opt.zero_grad(set_to_none=True)
         losses.append(total / (shards * ga))
     return losses, {n: p.detach() for n, p in model.named_parameters()}, grads, allowance
 
 
-GRAD_RTOL = 1e-4  # the gradient check's tolerance, relative to each element and to the tensor's largest element
-
-
 def _adamw_step_allowance(p: torch.Tensor, opt: torch.optim.AdamW, lr: float, step: int,
-                          deltas_so_far: torch.Tensor | float) -> tuple[torch.Tensor, torch.Tensor]:
+                          deltas_so_far: torch.Tensor | float, grad_rtol: float = GRAD_RTOL
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
     """How far one AdamW step may move a correct implementation's parameter away from ours, element by element.
 
-    A correct implementation's gradients differ from ours by rounding (summed in another order): at most
-    δ = GRAD_RTOL·(|g| + max|g|), the tolerance the gradient check allows. AdamW's step is lr·m̂/(√v̂ + ε), and
-    m̂/√v̂ does not shrink with the gradient: it is ±1 on the first step whatever |g|. So where |g| is near δ the
-    perturbation can flip the step's sign (a difference of up to 2·lr, capped at 4·lr below), and elsewhere it
-    moves m̂/√v̂ by about δ/√v̂ for each step's gradient in the averages (the derivative of m̂/√v̂ is at most ~1.5/√v̂
-    per perturbed gradient for betas 0.9/0.95 over 3 steps; ×2 for margin gives 3·Σδ/√v̂). Summed over the steps
-    so far, since an early difference is never undone. Measured: on an AVX2 CPU (MKL_CBWR=AVX2) one element of
-    layers.0.ffn.w3 moved 3.1e-5 = 1 % of lr after 3 steps, past the old flat atol of 1e-5 + 1e-4·|p|.
+    A correct implementation's gradients differ from ours by rounding (summed in another order): at most δ =
+    grad_rtol·(|g| + max|g|), the tolerance the gradient check allows (GRAD_RTOL; more with cp). AdamW's step is
+    lr·m̂/(√v̂ + ε), and m̂/√v̂ does not shrink with the gradient: it is ±1 on the first step whatever |g|. So where
+    |g| is near δ the perturbation can flip the step's sign (a difference of up to 2·lr, capped at 4·lr below), and
+    elsewhere it moves m̂/√v̂ by about δ/√v̂ for each step's gradient in the averages (the derivative of m̂/√v̂ is
+    at most ~1.5/√v̂ per perturbed gradient for betas 0.9/0.95 over 3 steps; ×2 for margin gives 3·Σδ/√v̂). Summed
+    over the steps so far, since an early difference is never undone. Measured: on an AVX2 CPU (MKL_CBWR=AVX2) one
+    element of layers.0.ffn.w3 moved 3.1e-5 = 1 % of lr after 3 steps, past the old flat atol of 1e-5 + 1e-4·|p|.
 
     Returns this step's allowance and the sum of the gradient perturbations so far (pass it to the next step)."""
     g = p.grad if p.grad is not None else torch.zeros_like(p)
@@ -335,7 +451,7 @@ def _adamw_step_allowance(p: torch.Tensor, opt: torch.optim.AdamW, lr: float, st
         return torch.zeros_like(p), torch.zeros_like(p) + deltas_so_far
     beta2, eps = opt.param_groups[0]["betas"][1], opt.param_groups[0]["eps"]
     v_hat = state["exp_avg_sq"] / (1 - beta2 ** (step + 1))
-    deltas = deltas_so_far + GRAD_RTOL * (g.abs() + g.abs().max())
+    deltas = deltas_so_far + grad_rtol * (g.abs() + g.abs().max())
     return lr * torch.clamp(3 * deltas / (v_hat.sqrt() + eps), max=4.0), deltas
 
 
@@ -351,25 +467,41 @@ def _expected_shard(full: torch.Tensor, name: str, coords: dict, kwargs: dict) -
 @pytest.mark.points(5)
 @pytest.mark.parametrize("run", list(TRAIN))
 def test_4d_training_matches_single_process(ranks8, run):
-    ranks = ranks8.values(f"train_{run}")
-    kwargs = TRAIN[run]
-    losses, params, grads, allowance = _single_process(kwargs)
-    s = "handout 06 §5"
+    _assert_matches_single_process(ranks8.values(f"train_{run}"), TRAIN[run], run, "handout 06 §5")
+
+
+@pytest.mark.points(3)
+@pytest.mark.parametrize("run", list(TRAIN_CP))
+def test_5d_training_with_cp_matches_single_process(ranks8_cp, run):
+    """Context parallelism in the trainer (handout 06b §6): each cp rank trains on its shard of every sequence
+    (inputs and targets at the same global positions), rotates by global positions, attends over the ring, and
+    the dense gradients average over dp × ep × cp — the same training as one process."""
+    _assert_matches_single_process(ranks8_cp.values(f"train_{run}"), TRAIN_CP[run], run, "handout 06b §6")
+
+
+def _assert_matches_single_process(ranks: list[dict], kwargs: dict, run: str, s: str) -> None:
+    loss_rtol, grad_rtol = _tolerances(kwargs)
+    losses, params, grads, allowance = _single_process(kwargs, grad_rtol)
+    cp = kwargs.get("cp", 1) > 1
     # fp32 throughout; the tensor-parallel sums and the gradient all-reduce add in a different order than one
     # process does, and the judge's MoE runs each expert on its own tokens where the implementation may batch
     # them (tests/support/moe.py: ~1e-7 relative apart on one layer), so equality holds to rounding: 1e-5 on
-    # the loss; the parameters after 3 AdamW steps get an element-wise allowance (_adamw_step_allowance).
+    # the loss; the parameters after 3 AdamW steps get an element-wise allowance (_adamw_step_allowance). With
+    # cp the ring's merge adds its own rounding (_tolerances).
+    forward = ("sequence shards of inputs and targets, global rotary positions, the ring over the cp group, "
+               "data shards, pipeline, tp (06b §6)" if cp else "data shards, pipeline, tp, ep (§5.1–5.2)")
+    sync = ("the dense gradients' average over dp × ep × cp, the experts' over dp × cp (06b §6)" if cp else
+            "§5.2 traps")
     for rank, v in enumerate(ranks):
         # Step 0's loss comes before any update: right at step 0 and wrong later means the forward is right and
-        # the gradients (their averaging over micro-batches, dp, ep) are not.
+        # the gradients (their averaging over micro-batches, dp, ep, cp) are not.
         got = torch.tensor(v["losses"])
-        first_ok = abs(float(got[0]) - losses[0]) <= 1e-5 + 1e-5 * abs(losses[0])
-        where = ("the step-0 loss (before any update) matches, so the forward is right and the gradient "
-                 "synchronisation is not (§5.2 traps)" if first_ok else
-                 "already the step-0 loss (before any update) differs: the forward — data shards, pipeline, tp, "
-                 "ep — is wrong (§5.1–5.2)")
+        first_ok = abs(float(got[0]) - losses[0]) <= loss_rtol + loss_rtol * abs(losses[0])
+        where = (f"the step-0 loss (before any update) matches, so the forward is right and the gradient "
+                 f"synchronisation is not ({sync})" if first_ok else
+                 f"already the step-0 loss (before any update) differs: the forward — {forward} — is wrong")
         assert_close(got, torch.tensor(losses), name=f"{run}: rank {rank}'s loss per step ({where})",
-                     section=s, rtol=1e-5, atol=1e-5)
+                     section=s, rtol=loss_rtol, atol=loss_rtol)
     # The gradients train_step hands the optimizer at step 0: the average over every data shard (dp·ep) and
     # micro-batch. They sum B·T·(micro-batches) fp32 terms in another order than one process does, so they
     # agree to a few units of fp32 rounding of the largest element (u·√n with n ≲ 10⁴ terms: ~1e-5 of it);
@@ -384,9 +516,10 @@ def test_4d_training_matches_single_process(ranks8, run):
             ratio = float(value.norm() / expected.norm()) if expected.norm() > 0 else float("nan")
             assert_close(value, expected, name=f"{run}: rank {rank} {v['coords']} gradient of {name} handed to "
                          f"optimizer.step() at step 0 (its norm is {ratio:.3g}× the single-process one; gradient "
-                         "synchronisation: average over all dp·ep data shards and micro-batches, and expert "
-                         "gradients already sum the ep ranks' tokens — §5.2 traps)",
-                         section=s, rtol=GRAD_RTOL, atol=GRAD_RTOL * float(expected.abs().max()))
+                         f"synchronisation: average over all dp·ep{'·cp' if cp else ''} ranks and micro-batches, "
+                         "and expert gradients already sum the ep ranks' tokens — §5.2 traps"
+                         f"{'; a cp rank holds 1/cp of each sequence' if cp else ''})",
+                         section=s, rtol=grad_rtol, atol=grad_rtol * float(expected.abs().max()))
     seen = set()
     for rank, v in enumerate(ranks):
         for name, value in v["params"].items():
@@ -411,10 +544,12 @@ def test_4d_training_matches_single_process(ranks8, run):
 # ------------------------------------------------------------------------------------------------
 
 
-def _bytes_by_op(events: list) -> dict[str, int]:
-    """Payload bytes per collective of a rank's recorded events; a one-rank group moves nothing and is left out."""
+def _bytes_by_op(events: list, leave_out_group: list[int] | None = None) -> dict[str, int]:
+    """Payload bytes per collective of a rank's recorded events; a one-rank group moves nothing and is left out,
+    and so are the collectives on the group ``leave_out_group``."""
     log = CommLog()  # only read here, never entered
-    log.events = events_from_data(events)
+    log.events = [e for e in events_from_data(events)
+                  if leave_out_group is None or e.kind != "collective" or sorted(e.group) != sorted(leave_out_group)]
     return log.bytes_by_op()
 
 
@@ -429,3 +564,19 @@ def test_comm_volume_matches_accounting(ranks8, worker, run):
         assert_equal(_bytes_by_op(v["comm"]), predicted,
                      name=f"{run}: rank {rank} (stage {stage}) payload bytes per collective in one step "
                      "(counted vs accounting.comm_volume_per_step)", section="handout 06 §6.3")
+
+
+@pytest.mark.points(1)
+@pytest.mark.parametrize("run", list(TRAIN_CP))
+def test_comm_volume_with_cp_matches_accounting(ranks8_cp, worker, run):
+    """With cp, every other axis moves what comm_volume_per_step predicts for a rank's seq_len / cp tokens: the tp
+    all-reduces and pp sends shrink by cp, the dense gradients all-reduce over dp × ep × cp. The ring's own traffic
+    (on the cp group) is left out: designs differ there (a ring, an all-gather of K/V), and the ring's tests judge
+    it (handout 06b §3)."""
+    ranks = ranks8_cp.values(f"train_{run}")
+    by_stage = worker.call(_predicted_comm, TRAIN_CP[run], ("cp",))
+    for rank, v in enumerate(ranks):
+        stage = v["coords"]["pp"]
+        assert_equal(_bytes_by_op(v["comm"], leave_out_group=v["cp_group"]), by_stage[stage],
+                     name=f"{run}: rank {rank} (stage {stage}) payload bytes per collective in one step, the cp "
+                     "group's left out (counted vs accounting.comm_volume_per_step)", section="handout 06b §6")

@@ -9,15 +9,17 @@ One file per idea:
 * ``triton_forward.py``: the forward kernel (§5).
 * ``triton_backward.py``: the preprocess, dK/dV and dQ kernels, deterministic without atomics (§6).
 * ``triton_impl.py``: :class:`FlashAttentionTriton`, the kernels behind autograd.
-* ``api.py`` (given): :func:`flash_attention` and :func:`flash_attention_fn`, the Transformer drop-in.
+* ``api.py`` (given): :func:`flash_attention` and :func:`flash_attention_fn`, the Transformer drop-in, and the
+  block interface (:func:`attention_forward_with_lse`, :func:`attention_backward_with_lse`) ring attention uses.
 """
 
 # First: on a machine without CUDA, `import kit` sets TRITON_INTERPRET=1, which triton reads when it is
 # imported and when each @triton.jit function is defined.
 import kit  # noqa: F401
 
-from .api import flash_attention, flash_attention_fn
+from .api import attention_backward_with_lse, attention_forward_with_lse, flash_attention, flash_attention_fn
 from .pytorch_impl import FlashAttentionPytorch
 from .triton_impl import FlashAttentionTriton
 
-__all__ = ["FlashAttentionPytorch", "FlashAttentionTriton", "flash_attention", "flash_attention_fn"]
+__all__ = ["FlashAttentionPytorch", "FlashAttentionTriton", "attention_backward_with_lse", "attention_forward_with_lse",
+           "flash_attention", "flash_attention_fn"]

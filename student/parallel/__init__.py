@@ -9,11 +9,14 @@ One module per idea:
 * :mod:`.expert_parallel` — a mixture-of-experts feed-forward whose experts are sharded over ``ep``.
 * :mod:`.train_4d` — composes all four (plus Stage 4's bucketed DDP over ``dp``) and trains.
 * :mod:`.accounting` — memory per device and communication volume per step, on paper.
+* :mod:`.context_parallel` — part 2 (handout/06b-context-parallel.md): the sequence split over ``cp`` ranks,
+  ring attention on the Stage 3 FlashAttention, zig-zag load balance for causal masks.
 """
 
-from . import expert_parallel, mesh, pipeline_parallel, tensor_parallel
+from . import context_parallel, expert_parallel, mesh, pipeline_parallel, tensor_parallel
 
-__all__ = ["accounting", "expert_parallel", "mesh", "pipeline_parallel", "tensor_parallel", "train_4d"]
+__all__ = ["accounting", "context_parallel", "expert_parallel", "mesh", "pipeline_parallel", "tensor_parallel",
+           "train_4d"]
 
 
 def __getattr__(name: str):

@@ -1,5 +1,5 @@
 # Your work goes in this file. Generated from the kit's reference by `make student`.
-"""Memory per device and communication per step, on paper (handout 06 §6).
+"""Memory per device and communication per step, on paper (handout 06 §6; context parallelism: 06b §6).
 
 Two questions decide a 4D layout before any code runs: *does the training state fit?* and *how many
 bytes does each axis move per step?* This module answers both with closed forms, and the tests check the
@@ -81,18 +81,22 @@ def activation_bytes_per_layer(seq_len: int, micro_batch: int, d_model: int, num
 
 def memory_per_device(num_params: float, *, num_layers: int, seq_len: int, micro_batch: int, d_model: int,
                       num_heads: int, dp: int = 1, tp: int = 1, pp: int = 1, zero_stage: int = 0,
-                      sequence_parallel: bool = False) -> dict[str, float]:
+                      sequence_parallel: bool = False, cp: int = 1) -> dict[str, float]:
     """Bytes on the most loaded device (pipeline stage 0 under 1F1B) for a dense model.
 
     Training state of ``num_params / (tp·pp)`` parameters, ZeRO over ``dp``; activations of
-    ``num_layers / pp`` layers for ``pp`` micro-batches in flight (1F1B's first stage). Returns
+    ``num_layers / pp`` layers for ``pp`` micro-batches in flight (1F1B's first stage). With context
+    parallelism ``cp`` each device holds ``seq_len / cp`` tokens of each sequence, and its activations are
+    those of a ``seq_len / cp`` sequence (handout 06b §6): every term of the formula divides by cp, and the
+    attention-score term by cp² — the scores of one ring step, local queries × one block of keys, which a
+    FlashAttention ring does not even keep. The training state is replicated over cp. Returns
     ``{"weights", "gradients", "optimizer", "activations", "total"}``.
 
     Raises:
         TypeError: a size that is not a number.
         ValueError: a size that is not positive, or ``zero_stage`` not in 0–3.
     """
-    _positive(num_layers=num_layers, pp=pp, tp=tp)
+    _positive(num_layers=num_layers, pp=pp, tp=tp, cp=cp)
     state = training_state_bytes(num_params / (tp * pp), zero_stage=zero_stage, dp=dp)
     raise NotImplementedError("memory_per_device: add the activations of this stage's layers for pp micro-batches in flight (handout 06 §6.2)")
 
@@ -116,7 +120,8 @@ def comm_volume_per_step(cfg: Train4DConfig, stage: int) -> dict[tuple[str, str]
 
     Keys are ``(axis, collective)``, e.g. ``("tp", "all_reduce")``; only groups of more than one rank
     count (a one-rank collective moves nothing). fp32 (4 bytes) everywhere. With ``b`` = micro-batch,
-    ``T`` = seq_len, ``d`` = d_model, ``m`` = grad_accum_steps, ``L`` = layers on this stage:
+    ``T`` = the tokens of a sequence this rank holds (``seq_len / cp``), ``d`` = d_model, ``m`` =
+    grad_accum_steps, ``L`` = layers on this stage:
 
     * ``tp``: per layer and micro-batch, g's all-reduce of the attention output (forward) and f's of its
       input gradient (backward) — the MoE feed-forward is replicated across tp: ``2·L·m·bTd``.
@@ -124,8 +129,12 @@ def comm_volume_per_step(cfg: Train4DConfig, stage: int) -> dict[tuple[str, str]
       loss (one float) broadcast from the last stage.
     * ``ep``: per MoE layer and micro-batch, dispatch and combine in the forward and again in the
       backward, each all-to-all moving the ``E × capacity × d`` buffer: ``4·L·m·E·C·d``.
-    * ``dp_ep``: the dense gradients all-reduced once per step, plus the reported loss (one float);
-      ``dp``: the expert gradients.
+    * ``dp_ep``: the dense gradients all-reduced once per step over dp × ep × cp, plus the reported loss
+      (one float); ``dp``: the expert gradients, over dp × cp.
+    * ``cp`` (handout 06b §6): the ring. Per layer and micro-batch, in the forward each of K and V — a
+      ``b × T × d/tp`` block, this rank's tokens of its tp heads — is sent on ``cp − 1`` times; the backward
+      sends K and V round again and each dK, dV block ``cp`` times (back to its owner):
+      ``L·m·bT(d/tp)·(2(cp−1) + 2(cp−1) + 2cp)`` sent, as much received.
 
     Raises:
         TypeError: ``cfg`` is not a ``Train4DConfig``, or ``stage`` not an int.
@@ -134,7 +143,7 @@ def comm_volume_per_step(cfg: Train4DConfig, stage: int) -> dict[tuple[str, str]
     instance("cfg", cfg, Train4DConfig, "a Train4DConfig")
     index("stage", stage, cfg.pp)  # a pipeline stage
     fp32 = 4
-    b, t, d, m = cfg.micro_batch_size, cfg.seq_len, cfg.model.d_model, cfg.grad_accum_steps
+    b, t, d, m = cfg.micro_batch_size, cfg.seq_len // cfg.cp, cfg.model.d_model, cfg.grad_accum_steps
     start, end = split_layers(cfg.model.num_layers, cfg.pp)[stage]
     layers = end - start
     activation = b * t * d * fp32

@@ -1,15 +1,17 @@
 # Your work goes in this file. Generated from the kit's reference by `make student`.
-"""Train a tiny mixture-of-experts Transformer on a dp × tp × pp × ep mesh (handout 06 §5).
+"""Train a tiny mixture-of-experts Transformer on a dp × tp × pp × ep × cp mesh (handout 06 §5, 06b §6).
 
 Every rank runs :func:`train` with the same :class:`Train4DConfig`. What each rank does:
 
-1. builds the whole model from the seed (the same on every rank), keeps its pipeline stage, splits its
+1. builds the whole model from the seed (the same on every rank), makes its attention a ring over the
+   ``cp`` group with the global positions of its sequence shard, keeps its pipeline stage, splits its
    blocks across ``tp`` and keeps its experts (``ep``) — parallelism applied to an unchanged model;
-2. wraps the stage's *dense* parameters in Stage 4's :class:`DDPBucketed` over the dp × ep group and the
-   *expert* parameters in another over the dp group;
-3. each step, reads its shard of the global batch, runs the pipeline schedule over ``grad_accum_steps``
-   micro-batches, and only then synchronises the data-parallel gradients (never per micro-batch: the
-   gradients are not complete until the last micro-batch's backward has run on every stage).
+2. wraps the stage's *dense* parameters in Stage 4's :class:`DDPBucketed` over the dp × ep × cp group and
+   the *expert* parameters in another over the dp × cp group;
+3. each step, reads its shard of the global batch (and of each sequence: ``cp``), runs the pipeline
+   schedule over ``grad_accum_steps`` micro-batches, and only then synchronises the data-parallel gradients
+   (never per micro-batch: the gradients are not complete until the last micro-batch's backward has run on
+   every stage).
 
 **Batch.** Every rank with the same (dp, ep) coordinates reads the same data: the global batch of step
 ``s`` is ``kit.data.random_batch(global_batch_size, seq_len, vocab, seed=seed + s)``; data shard
@@ -17,14 +19,27 @@ Every rank runs :func:`train` with the same :class:`Train4DConfig`. What each ra
 rows ``[i·MBS, (i+1)·MBS)`` of that. Expert-parallel ranks read different data — for the dense weights
 they are data-parallel replicas — so ``global_batch_size = MBS × GA × dp × ep``.
 
+**Sequence (cp, handout 06b §6).** The ``cp`` ranks of one data shard read the same rows and keep
+``seq_len / cp`` tokens of each, inputs *and* targets at the same global positions
+(``context_parallel.shard_positions(seq_len, cp, cp_index, cp_layout)``; ``"zigzag"``, the default, balances
+the causal attention's work). Each rank rotates its tokens by their global positions and its attention is
+``ring_attention`` over the cp group, so every query still sees every earlier key of its sequence.
+
 **Loss.** Per micro-batch ``cross_entropy + aux_loss_coef · Σ_layers aux`` (the MoE balancing losses,
-each computed over that micro-batch's tokens), averaged over micro-batches and data shards. The
-reported loss is the cross-entropy alone, averaged the same way.
+each computed over the tokens of that micro-batch this rank holds — with cp, its sequence shard), averaged
+over micro-batches, data shards and cp ranks. The cross-entropy of a rank is the mean over its local tokens;
+all cp ranks hold equally many, so the mean over cp ranks is the mean over the whole sequence, and
+averaging gradients over dp × ep × cp gives the gradient of the global mean. The reported loss is the
+cross-entropy alone, averaged the same way.
+
+**pp × cp.** They compose: a stage's blocks keep their ring attention, and the activations sent between
+stages are the local shard, ``(MBS, seq_len / cp, d_model)``. The cp ranks of a stage run the same
+schedule, so their rings meet in the same order.
 
 Run it: ``python -m reference.parallel.train_4d --dp 2 --tp 2 --pp 2 --ep 1`` spawns 8 CPU ranks with
-the kit's helper; under ``torchrun --nproc-per-node 8 -m reference.parallel.train_4d --dp 2 …`` each process
-is one rank of the launcher's process group (one or several nodes; see ``train_4d.slurm`` and
-:mod:`kit.launch`).
+the kit's helper (``--cp 2 --dp 2 --tp 2 --pp 1``: context parallelism on 8 ranks); under ``torchrun
+--nproc-per-node 8 -m reference.parallel.train_4d --dp 2 …`` each process is one rank of the launcher's
+process group (one or several nodes; see ``train_4d.slurm`` and :mod:`kit.launch`).
 """
 
 from __future__ import annotations
@@ -45,7 +60,7 @@ from kit.model import ModelConfig, TransformerLM, make_optimizer
 from kit.validate import choice, index, instance, positive_int
 
 from .expert_parallel import MoEFeedForward, parallelize_moe
-from .mesh import build_mesh, dense_grad_group
+from .mesh import build_mesh, dense_grad_group, expert_grad_group
 from .pipeline_parallel import ORDERS, SCHEDULES, PipelineStage, run_schedule
 from .tensor_parallel import parallelize_block
 
@@ -58,12 +73,16 @@ TINY_MOE = ModelConfig(vocab_size=128, context_length=16, d_model=32, d_ff=64, n
 
 @dataclass(frozen=True)
 class Train4DConfig:
-    """One 4D training run. ``global_batch_size`` must equal ``micro_batch_size · grad_accum_steps · dp · ep``."""
+    """One training run on the mesh. ``global_batch_size`` must equal ``micro_batch_size · grad_accum_steps ·
+    dp · ep`` (cp ranks share their rows); ``seq_len`` must divide by ``cp`` (``"contiguous"``) or ``2·cp``
+    (``"zigzag"``)."""
 
     dp: int = 2
     tp: int = 2
     pp: int = 2
     ep: int = 1
+    cp: int = 1
+    cp_layout: str = "zigzag"
     global_batch_size: int = 8
     micro_batch_size: int = 2
     grad_accum_steps: int = 2
@@ -83,7 +102,7 @@ class Train4DConfig:
     device_type: str = "cpu"
 
     def __post_init__(self) -> None:
-        for name in ("dp", "tp", "pp", "ep", "global_batch_size", "micro_batch_size", "grad_accum_steps", "steps",
+        for name in ("dp", "tp", "pp", "ep", "cp", "global_batch_size", "micro_batch_size", "grad_accum_steps", "steps",
                      "seq_len", "num_experts", "top_k"):
             positive_int(f"Train4DConfig.{name}", getattr(self, name))
         instance("Train4DConfig.model", self.model, ModelConfig, "a kit.model.ModelConfig")
@@ -100,10 +119,17 @@ class Train4DConfig:
                 f"seq_len ({self.seq_len}) exceeds the model's context_length ({self.model.context_length})")
         if self.model.num_layers < self.pp:
             raise ValueError(f"pp ({self.pp}) must be ≤ num_layers ({self.model.num_layers})")
+        choice("Train4DConfig.cp_layout", self.cp_layout, ("contiguous", "zigzag"))
+        chunks = self.cp * (2 if self.cp_layout == "zigzag" else 1)
+        if self.seq_len % chunks:
+            raise ValueError(
+                f"seq_len ({self.seq_len}) must be divisible by {'2·cp' if self.cp_layout == 'zigzag' else 'cp'} = "
+                f"{chunks}: the {self.cp_layout} layout gives each of the cp = {self.cp} ranks equal chunks "
+                "(handout 06b §1)")
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp * self.ep
+        return self.dp * self.tp * self.pp * self.ep * self.cp
 
     def with_(self, **changes) -> Train4DConfig:
         return replace(self, **changes)
@@ -136,6 +162,37 @@ def microbatches(cfg: Train4DConfig, step: int, shard: int) -> list[tuple[torch.
     raise NotImplementedError("microbatches: MBS·GA consecutive rows for this shard, cut into GA micro-batches (handout 06 §5.2)")
 
 
+def parallelize_context(model: TransformerLM, mesh, cfg: Train4DConfig) -> TransformerLM:
+    """Context parallelism applied to an unchanged model, in place: every attention becomes
+    ``ring_attention`` over ``mesh.get_group("cp")``, and every rotary embedding rotates this rank's tokens by
+    their global positions ``shard_positions(cfg.seq_len, cfg.cp, cp_index, cfg.cp_layout)``. Nothing to do
+    when ``cfg.cp == 1``. Returns the model."""
+    if cfg.cp == 1:
+        return model
+    from .context_parallel import ring_attention, shard_positions  # part 2 of the stage: only cp > 1 needs it
+
+    cp_rank = dict(zip(mesh.mesh_dim_names, mesh.get_coordinate()))["cp"]
+    raise NotImplementedError("parallelize_context: global positions of this rank's shard for rotary; attention as a ring over cp (handout 06b §6)")
+
+
+def sequence_shards(cfg: Train4DConfig, batches: list[tuple[torch.Tensor, torch.Tensor]], cp_rank: int
+                    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Context-parallel rank ``cp_rank``'s part of each ``(inputs, targets)`` micro-batch: both ``(MBS, seq_len /
+    cp)`` int64, the tokens at ``shard_positions(seq_len, cp, cp_rank, cfg.cp_layout)`` of every row — the same
+    positions for both, so each target is still the token after its input. With ``cfg.cp == 1``, the batches.
+
+    Raises:
+        TypeError: ``cp_rank`` is not an int.
+        ValueError: ``cp_rank`` outside ``[0, cp)``.
+    """
+    index("cp_rank", cp_rank, cfg.cp)  # a context-parallel rank: 0 ≤ cp_rank < cp
+    if cfg.cp == 1:
+        return list(batches)
+    from .context_parallel import shard_sequence
+
+    raise NotImplementedError("sequence_shards: inputs and targets sharded along the sequence (dim −1) at the same positions (handout 06b §6)")
+
+
 @dataclass
 class Parallelized:
     """This rank's share of the model: its pipeline stage and the DDP wrappers of its gradients."""
@@ -147,10 +204,11 @@ class Parallelized:
 
 
 def parallelize(model: TransformerLM, mesh, cfg: Train4DConfig) -> Parallelized:
-    """Apply pp, then tp, then ep, then dp to an unchanged model, torchtitan style; returns this rank's part."""
+    """Apply cp, pp, then tp, then ep, then dp to an unchanged model, torchtitan style; returns this rank's part."""
     from ..ddp import DDPBucketed  # Stage 4's, imported here: only what trains with it depends on Stage 4
 
     coords = dict(zip(mesh.mesh_dim_names, mesh.get_coordinate()))
+    parallelize_context(model, mesh, cfg)
     raise NotImplementedError("parallelize: stage (pp), blocks (tp), MoEs (ep), then DDPBucketed for dense and expert params (handout 06 §5.1)")
 
 
@@ -159,7 +217,8 @@ def train_step(part: Parallelized, optimizer: torch.optim.Optimizer, cfg: Train4
     coords = part.coords
     shard = coords["dp"] * cfg.ep + coords["ep"]
     device = _device(cfg)
-    batches = [(x.to(device), y.to(device)) for x, y in microbatches(cfg, step, shard)]
+    local = sequence_shards(cfg, microbatches(cfg, step, shard), coords["cp"])  # this cp rank's part of each row
+    batches = [(x.to(device), y.to(device)) for x, y in local]
     ddps = [d for d in (part.dense_ddp, part.expert_ddp) if d is not None]
     order = ORDERS[cfg.schedule](cfg.pp, coords["pp"], len(batches))  # this stage's F/B operations
     raise NotImplementedError("train_step: whole schedule without DP sync, then sync once, rescale expert grads, step (handout 06 §5.2)")
@@ -194,7 +253,7 @@ def train(cfg: Train4DConfig, mesh=None, *, step_callback=None) -> dict:
         TypeError: ``cfg`` is not a ``Train4DConfig``.
     """
     instance("cfg", cfg, Train4DConfig, "a Train4DConfig")
-    mesh = mesh or build_mesh(dp=cfg.dp, tp=cfg.tp, pp=cfg.pp, ep=cfg.ep, device_type=cfg.device_type)
+    mesh = mesh or build_mesh(dp=cfg.dp, tp=cfg.tp, pp=cfg.pp, ep=cfg.ep, cp=cfg.cp, device_type=cfg.device_type)
     part = parallelize(build_model(cfg).to(_device(cfg)), mesh, cfg)
     optimizer = make_train_optimizer(part, cfg, mesh)
     losses, times = [], []
@@ -266,9 +325,11 @@ def train_on_ranks(cfg: Train4DConfig, *, timeout: float = 300.0) -> list[dict]:
 
 def config_from_args(argv: list[str] | None = None) -> Train4DConfig:
     """The :class:`Train4DConfig` the command line ``argv`` asks for (a bad combination is a usage error)."""
-    ap = argparse.ArgumentParser(description="Train a tiny MoE Transformer on a dp × tp × pp × ep mesh.")
-    for axis, default in (("dp", 2), ("tp", 2), ("pp", 2), ("ep", 1)):
+    ap = argparse.ArgumentParser(description="Train a tiny MoE Transformer on a dp × tp × pp × ep × cp mesh.")
+    for axis, default in (("dp", 2), ("tp", 2), ("pp", 2), ("ep", 1), ("cp", 1)):
         ap.add_argument(f"--{axis}", type=int, default=default)
+    ap.add_argument("--cp-layout", choices=("contiguous", "zigzag"), default="zigzag",
+                    help="how the sequence is cut over the cp ranks (handout 06b §5)")
     ap.add_argument("--micro-batch-size", type=int, default=2)
     ap.add_argument("--grad-accum-steps", type=int, default=2)
     ap.add_argument("--global-batch-size", type=int, default=None, help="default: MBS × GA × dp × ep")
@@ -278,7 +339,8 @@ def config_from_args(argv: list[str] | None = None) -> Train4DConfig:
     args = ap.parse_args(argv)
     gbs = args.global_batch_size or args.micro_batch_size * args.grad_accum_steps * args.dp * args.ep
     try:
-        return Train4DConfig(dp=args.dp, tp=args.tp, pp=args.pp, ep=args.ep, global_batch_size=gbs,
+        return Train4DConfig(dp=args.dp, tp=args.tp, pp=args.pp, ep=args.ep, cp=args.cp, cp_layout=args.cp_layout,
+                             global_batch_size=gbs,
                              micro_batch_size=args.micro_batch_size, grad_accum_steps=args.grad_accum_steps,
                              steps=args.steps, schedule=args.schedule, zero=args.zero)
     except (TypeError, ValueError) as exc:
@@ -288,9 +350,9 @@ def config_from_args(argv: list[str] | None = None) -> Train4DConfig:
 
 def main(argv: list[str] | None = None) -> None:
     """Command line. Under torchrun (one node or several) this process is one rank of the launcher's process
-    group; without a launcher it spawns the ``dp·tp·pp·ep`` ranks on this CPU. Either way it prints each step's
+    group; without a launcher it spawns the ``dp·tp·pp·ep·cp`` ranks on this CPU. Either way it prints each step's
     loss, then one JSON line ``{"losses": [...], "step_s": [...], "world_size": W, "launcher": ...}`` (under
-    torchrun, rank 0 alone prints). A launch that cannot work (a world size other than dp·tp·pp·ep, a missing
+    torchrun, rank 0 alone prints). A launch that cannot work (a world size other than dp·tp·pp·ep·cp, a missing
     rendezvous) prints why and exits with status 2 before any rank waits (:mod:`kit.launch`)."""
     from kit.launch import exit_on_launch_error, join, launched, leave, require_world_size
 
@@ -300,7 +362,7 @@ def main(argv: list[str] | None = None) -> None:
         if launch is None:
             out = train_on_ranks(cfg)[0]
         else:
-            mesh = f"--dp {cfg.dp} --tp {cfg.tp} --pp {cfg.pp} --ep {cfg.ep} (dp·tp·pp·ep)"
+            mesh = f"--dp {cfg.dp} --tp {cfg.tp} --pp {cfg.pp} --ep {cfg.ep} --cp {cfg.cp} (dp·tp·pp·ep·cp)"
             require_world_size(cfg.world_size, mesh, launch)
             if launch.rank == 0 and launch.local_world_size < launch.world_size and launch.local_world_size % cfg.tp:
                 print(f"train_4d: note: tp={cfg.tp} does not divide the {launch.local_world_size} ranks per node, so "

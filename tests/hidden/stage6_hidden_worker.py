@@ -61,3 +61,20 @@ def _dropless_moe(impl) -> dict:
 def rank_fn() -> dict:
     impl = kit.impl.load()
     return run_checks({"pipe": lambda: _pipeline_one_microbatch(impl), "moe": lambda: _dropless_moe(impl)})
+
+
+# Context parallelism's sequence shards, without ranks: an odd micro-batch size and cp = 4, both layouts.
+CP_SHARDS = dict(dp=1, tp=1, pp=1, ep=1, cp=4, global_batch_size=6, micro_batch_size=3, grad_accum_steps=2,
+                 seq_len=16)
+
+
+def cp_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    tokens = torch.randint(0, 32, (2, 3, 17), generator=torch.Generator().manual_seed(14))
+    return [(tokens[i, :, :-1], tokens[i, :, 1:]) for i in range(2)]
+
+
+def sequence_shards_by_rank(layout: str) -> list:
+    """Each cp rank's ``sequence_shards`` of the same two micro-batches."""
+    t4 = kit.impl.load().parallel.train_4d
+    cfg = t4.Train4DConfig(**CP_SHARDS, cp_layout=layout)
+    return [t4.sequence_shards(cfg, cp_batches(), r) for r in range(cfg.cp)]

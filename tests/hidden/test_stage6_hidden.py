@@ -7,7 +7,15 @@ judge: one process training the same model, and the judge's own mixture of exper
 from __future__ import annotations
 
 import pytest
-from stage6_hidden_worker import make_moe, model_and_batch, moe_input, rank_fn
+from stage6_hidden_worker import (
+    CP_SHARDS,
+    cp_batches,
+    make_moe,
+    model_and_batch,
+    moe_input,
+    rank_fn,
+    sequence_shards_by_rank,
+)
 
 from kit.checks import spawned_checks
 from kit.model import cross_entropy
@@ -51,3 +59,24 @@ def test_dropless_top1_expert_parallel_hidden(hidden_results):
         assert_close(v["y"], y, name=f"rank {r}: dropless top-1 MoE output", section="handout 06 §4.2",
                      rtol=1e-5, atol=1e-6)
         assert_close(v["x_grad"], x.grad, name=f"rank {r}: ∂L/∂x", section="handout 06 §4.2", rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.points(1)
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_sequence_shards_cp4_hidden(worker, layout):
+    """Handout 06b §1, §6: cp rank r keeps the tokens at its global positions — contiguous: chunk r of cp; zig-zag:
+    chunks r and 2cp−1−r of 2cp — of inputs and targets alike, for every row of every micro-batch. Exact (token ids)."""
+    cp, seq_len = CP_SHARDS["cp"], CP_SHARDS["seq_len"]
+    got = worker.call(sequence_shards_by_rank, layout)
+    for r in range(cp):
+        if layout == "contiguous":
+            positions = list(range(r * seq_len // cp, (r + 1) * seq_len // cp))
+        else:
+            n = seq_len // (2 * cp)
+            positions = list(range(r * n, (r + 1) * n)) + list(range((2 * cp - 1 - r) * n, (2 * cp - r) * n))
+        assert_equal(len(got[r]), 2, name=f"{layout}: cp rank {r}'s number of micro-batches", section="handout 06b §6")
+        for i, (inputs, targets) in enumerate(cp_batches()):
+            x, y = got[r][i]
+            for what, value, full in (("inputs", x, inputs), ("targets", y, targets)):
+                assert_equal(value.tolist(), full[:, positions].tolist(), name=f"{layout}: cp rank {r}'s {what} of "
+                             f"micro-batch {i} (global positions {positions})", section="handout 06b §6")

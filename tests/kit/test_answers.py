@@ -33,7 +33,7 @@ def test_every_written_problem_has_a_key_entry(rendered):
 
 def test_every_key_section_is_a_handout_problem(rendered):
     """A section for a problem the handout no longer has is stale (a renumbered or removed problem)."""
-    from kit.handout_check import parse_handout
+    from kit.grading.handout_check import parse_handout
 
     known = {p.number for c in answers.chapters() for p in parse_handout(answers.ROOT / "handout" / c)}
     stale = [f"{key}: {n}" for key, text in rendered.items() for n in answers.key_sections(text) if n not in known]
@@ -75,6 +75,7 @@ def test_placeholder_errors_name_the_template_line():
     ("flops_peak", "ch05b"),
     ("preset_xl", "ch02"),
     ("compute_bound", "ch06"),
+    ("flops_peak", "ch06b"),
 ])
 def test_a_changed_formula_changes_the_key(monkeypatch, rendered, patch, chapter):
     """The key's numbers come from the code: change a formula, a peak or a preset and the key changes."""
@@ -448,7 +449,7 @@ def test_smallest_model_parallel_for_10b_is_not_a_power_of_two(rendered):
 
 def test_communication_bounds_come_before_their_use():
     """6.8 derives the bounds, 6.9 uses them; 2.11–2.13 and every chapter's problems are numbered in order."""
-    from kit.handout_check import parse_handout
+    from kit.grading.handout_check import parse_handout
 
     for chapter in answers.chapters():
         numbers = [p.number for p in parse_handout(answers.ROOT / "handout" / chapter)]
@@ -762,3 +763,92 @@ def test_rmsnorm_saves_an_fp32_input_so_logits_are_not_the_only_upcast():
     assert any(t.dtype == torch.float32 and t.shape == x.shape for t in saved)
     text = " ".join((answers.ROOT / "handout" / "07-fused-loss.md").read_text().split())
     assert "only activation upcast to fp32" not in text and "RMSNorm computes in fp32" in text
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Issue 44: chapter 06b (context parallelism). Each keyed figure is recomputed here from the handout's model (§7) and
+# the data sheets' figures, without the key's helpers, and looked for in the rendered key.
+# ------------------------------------------------------------------------------------------------------------------
+
+# Handout 06b §7: an 8B-like model with GQA at 128k tokens, cp = 8, bf16; H100 SXM, NVLink and InfiniBand per GPU.
+_CP_S, _CP, _CP_H, _CP_HKV, _CP_D, _CP_C, _CP_DMODEL, _CP_LAYERS = 131_072, 8, 32, 8, 128, 2, 4096, 32
+_NVLINK, _IB = 450e9, 50e9
+
+
+def test_cp_model_and_links_are_the_handouts():
+    """The key's model and links are the ones handout 06b §7 states (and chapter 06's Problem 6.9 uses)."""
+    text = " ".join((answers.ROOT / "handout" / "06b-context-parallel.md").read_text().split())
+    assert "h = 4096, 32 layers, H = 32 query heads of d_head = 128" in text and "H_kv = 8" in text
+    assert "s = 131,072" in text and "cp = 8" in text
+    assert "NVLink at about 450 GB/s per direction" in text and "400 Gb/s InfiniBand (50 GB/s)" in text
+    assert "989 TFLOP/s" in text
+
+
+def test_ring_allgather_and_ulysses_bytes(rendered):
+    """6.19: a K/V block is 2·n·H_kv·d·c; the ring sends cp − 1 of them forward, and in the backward cp − 1 again plus
+    cp fp32 dK/dV blocks; Ulysses sends (cp − 1)/cp of n·d·c·(2H + 2H_kv) each way."""
+    n = _CP_S // _CP
+    block = 2 * n * _CP_HKV * _CP_D * _CP_C
+    ring_fwd = (_CP - 1) * block
+    ring_bwd = ring_fwd + _CP * 2 * n * _CP_HKV * _CP_D * 4
+    ulysses = (_CP - 1) / _CP * n * _CP_D * _CP_C * (2 * _CP_H + 2 * _CP_HKV)
+    section = " ".join(_section(rendered, "ch06b", "6.19").split())
+    assert f"{block / 1e6:.1f} MB here" in section
+    assert f"ring **{ring_fwd / 1e6:.0f} MB** forward and **{ring_bwd / 1e6:.0f} MB** backward" in section
+    assert f"Ulysses **{ulysses / 1e6:.0f} MB** each way" in section
+    assert ulysses < ring_fwd  # at cp = 8 with GQA the all-to-all moves less than the ring
+
+
+def test_ring_overlap_thresholds(rendered):
+    """6.20: 4·n²·d·H / F ≥ 2·n·d·H_kv·c / W ⇔ n ≥ (H_kv/H)·c·F/(2W), found here by search, not by the formula;
+    causal (half a block per step) doubles it."""
+    from fractions import Fraction
+
+    def smallest(link: float, flop_share: Fraction) -> int:  # exact arithmetic: InfiniBand's threshold is an integer
+        return next(n for n in range(1, 100_000) if flop_share * 4 * n * n * _CP_D * _CP_H / Fraction(_H100_BF16)
+                    >= Fraction(2 * n * _CP_D * _CP_HKV * _CP_C) / Fraction(link))
+
+    section = " ".join(_section(rendered, "ch06b", "6.20").split())
+    for link in (_NVLINK, _IB):
+        full, causal = smallest(link, Fraction(1)), smallest(link, Fraction(1, 2))
+        assert f"n ≥ **{full}**" in section and f"n ≥ **{causal}**" in section, (link, full, causal)
+    n = _CP_S // _CP
+    compute = 4 * n * n * _CP_D * _CP_H / _H100_BF16 / 2
+    assert f"computes for {compute * 1e3:.2f} ms at peak" in section
+    assert f"in {2 * n * _CP_HKV * _CP_D * _CP_C / _NVLINK * 1e3:.3f} ms over NVLink" in section
+
+
+def test_activation_memory_per_rank_divides_by_cp(rendered):
+    """6.21: (34·n·b·h + 4·a·n·b) bytes per layer with FlashAttention, n = s/cp, 32 layers; the 80 GB crossings."""
+    def gb(s: int, cp: int) -> float:
+        n = s // cp
+        return _CP_LAYERS * (34 * n * _CP_DMODEL + 4 * _CP_H * n) / 1e9
+
+    section = " ".join(_section(rendered, "ch06b", "6.21").split())
+    row = "| 131,072 | " + " | ".join(f"{gb(131_072, cp):.1f}" for cp in (1, 2, 4, 8)) + " |"
+    assert row in section, row
+    per_token = _CP_LAYERS * (34 * _CP_DMODEL + 4 * _CP_H) / 1e9
+    assert f"s ≈ {int(80 / per_token):,} tokens" in section and f"s ≈ {int(80 * 8 / per_token):,}" in section
+    scores = 5 * _CP_H * _CP_S * _CP_S / 1e9
+    assert f"{scores:.0f} GB per layer at 128k without cp" in section
+
+
+def test_causal_imbalance_counts_pairs(rendered):
+    """6.22: the work of a rank is Σ (p + 1) over its positions p (query p sees keys 0 … p), counted here from the
+    layouts' positions; contiguous's max/min is 1 + 2(cp−1)·n/(n+1), zig-zag's exactly 1. The ring's time, the
+    slowest rank's pairs per step, gives zig-zag a speed-up of about 2 − 1/cp."""
+    def pairs(lo: int, hi: int) -> int:  # Σ_{p=lo}^{hi−1} (p + 1)
+        return (hi * (hi + 1) - lo * (lo + 1)) // 2
+
+    section = " ".join(_section(rendered, "ch06b", "6.22").split())
+    for cp in (2, 4, 8):
+        n, c = _CP_S // cp, _CP_S // (2 * cp)
+        contiguous = [pairs(r * n, (r + 1) * n) for r in range(cp)]
+        zigzag = [pairs(r * c, (r + 1) * c) + pairs((2 * cp - 1 - r) * c, (2 * cp - r) * c) for r in range(cp)]
+        assert sum(contiguous) == sum(zigzag) == _CP_S * (_CP_S + 1) // 2
+        assert f"| {cp} | {max(contiguous) / min(contiguous):.5f} | {max(zigzag) / min(zigzag):.5f} | {2 * cp - 1} |" \
+            in section
+        slow_contiguous = n * (n + 1) // 2 + (cp - 1) * n * n
+        slow_zigzag = 2 * c * c + c + (cp - 1) * 2 * c * c
+        assert f"**{slow_contiguous / slow_zigzag:.3f}**" in section
+        assert abs(slow_contiguous / slow_zigzag - (2 - 1 / cp)) < 1e-3

@@ -92,12 +92,11 @@ class ReferenceMoE(nn.Module):
 
 
 def moe_transformer(model: ModelConfig, *, seed: int, num_experts: int, top_k: int,
-                    capacity_factor: float | None) -> TransformerLM:
+                    capacity_factor: float | None, moe_class: type[ReferenceMoE] = ReferenceMoE) -> TransformerLM:
     """``train_4d.build_model``'s model on one process: the kit's Transformer, seeded, each ``ffn`` a
-    :class:`ReferenceMoE` (created in the same order, so with the same weights)."""
+    :class:`ReferenceMoE` (created in the same order, so with the same weights), or a subclass of it."""
     torch.manual_seed(seed)
     lm = TransformerLM(model)
     for block in lm.layers:
-        block.ffn = ReferenceMoE(model.d_model, model.d_ff, num_experts, top_k=top_k,
-                                 capacity_factor=capacity_factor)
+        block.ffn = moe_class(model.d_model, model.d_ff, num_experts, top_k=top_k, capacity_factor=capacity_factor)
     return lm

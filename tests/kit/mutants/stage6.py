@@ -133,20 +133,22 @@ MUTANTS = [
            expect=r"MoE output"),
     # ------------------------------------------------------------------------------------ mesh (§1)
     Mutant("mesh-grid-tp-outermost", "parallel/mesh.py",
-           find="    return torch.arange(pp * dp * ep * tp).view(pp, dp, ep, tp)\n",
-           replace="    return torch.arange(pp * dp * ep * tp).view(tp, ep, dp, pp).permute(3, 2, 1, 0)\n",
+           find="    return torch.arange(pp * dp * ep * cp * tp).view(pp, dp, ep, cp, tp)\n",
+           replace="    return torch.arange(pp * dp * ep * cp * tp).view(tp, cp, ep, dp, pp).permute(4, 3, 2, 1, 0)\n",
            mistake="numbers the ranks with tp outermost instead of innermost (§1)",
            expect=r"format_mesh"),
     Mutant("mesh-dims-transposed", "parallel/mesh.py",
-           find="init_device_mesh(device_type, (pp, dp, ep, tp), mesh_dim_names=MESH_DIMS)",
-           replace="init_device_mesh(device_type, (dp, tp, pp, ep), mesh_dim_names=MESH_DIMS)",
-           mistake="passes the axis sizes in dp, tp, pp, ep order to a mesh whose dims are (pp, dp, ep, tp) (§1)",
-           expect=r"\(pp, dp, ep, tp\)|group"),
+           find="init_device_mesh(device_type, (pp, dp, ep, cp, tp), mesh_dim_names=MESH_DIMS)",
+           replace="init_device_mesh(device_type, (dp, tp, pp, ep, cp), mesh_dim_names=MESH_DIMS)",
+           mistake="passes the axis sizes in dp, tp, pp, ep, cp order to a mesh whose dims are (pp, dp, ep, cp, tp) "
+                   "(§1)",
+           expect=r"\(pp, dp, ep, cp, tp\)|group"),
     Mutant("mesh-dense-group-wrong-axes", "parallel/mesh.py",
-           find="grid[p, :, :, t].flatten().tolist() for p in range(grid.shape[0]) for t in range(grid.shape[3])",
-           replace="grid[:, d, e, :].flatten().tolist() for d in range(grid.shape[1]) for e in range(grid.shape[2])",
-           mistake="groups the dense gradients over pp × tp instead of dp × ep (§1)",
-           expect=r"dense group"),
+           find="grid[p, :, :, :, t].flatten().tolist() for p in range(grid.shape[0]) for t in range(grid.shape[4])",
+           replace="grid[:, d, e, c, :].flatten().tolist() for d in range(grid.shape[1]) for e in range(grid.shape[2]) "
+                   "for c in range(grid.shape[3])",
+           mistake="groups the dense gradients over pp × tp instead of dp × ep × cp (§1)",
+           expect=r"dense-gradient group"),
     # ------------------------------------------------------------------------------------ composition (§5)
     Mutant("dp-dense-over-dp-only", "parallel/train_4d.py",
            find="process_group=dense_grad_group(mesh))",
@@ -189,3 +191,148 @@ MUTANTS = [
            mistake="leaves the (replicated) router out of the dense parameters of a stage (§6.3)",
            expect=r"dense|router|parameter"),
 ]
+
+# ---------------------------------------------------------------------------------- context parallelism (part 2, 06b)
+_CP = "parallel/context_parallel.py"
+CP_MUTANTS = [
+    Mutant("cp-merge-no-max-subtraction", _CP,
+           find="    new_lse = torch.maximum(lse, lse_block) + torch.log1p(torch.exp(-(lse - lse_block).abs()))\n",
+           replace="    new_lse = torch.log(torch.exp(lse) + torch.exp(lse_block))\n",
+           mistake="merges the log-sum-exps as log(e^a + e^b): e^lse overflows fp32 once lse > 88.7 (06b §2)",
+           expect=r"inf/NaN|overflows"),
+    Mutant("cp-merge-wrong-block-lse", _CP,
+           find="torch.exp(lse_block - new_lse)[..., None] * o_block",
+           replace="torch.exp(lse - new_lse)[..., None] * o_block",
+           mistake="weights the new block's output by the running lse instead of its own (06b §2)",
+           expect=r": output"),
+    Mutant("cp-dkv-kept-by-holder", _CP,
+           find="        dk, dv = dkv_incoming[0], dkv_incoming[1]  # this rank's own block's, home after cp steps\n",
+           replace="        dk, dv = dkv[0], dkv[1]\n",
+           mistake="returns the dk/dv accumulator it holds after the last step — the previous rank's block's — without "
+                   "the final send to the owner (06b §4)",
+           expect=r"∂L/∂k of its own keys|∂L/∂v of its own values"),
+    Mutant("cp-causal-future-blocks", _CP,
+           find="            if not is_causal or k_id < q_id:\n",
+           replace="            if not is_causal or k_id > q_id:\n",
+           mistake="with a causal mask, attends the key chunks after the query chunk instead of those before (06b §5)",
+           expect=r"causal.*: output"),
+    Mutant("cp-causal-diagonal-unmasked", _CP,
+           find="                pairs.append((qi, ki, True))\n",
+           replace="                pairs.append((qi, ki, False))\n",
+           mistake="computes the diagonal block (query and key chunk the same) without the causal mask (06b §5)",
+           expect=r"causal.*: output"),
+    Mutant("cp-backward-ring-reversed", _CP,
+           find="                kv_pending = _ring_exchange(kv, incoming, group)\n"
+                "            k_ids = _chunk_ids(cp, (rank - step) % cp, layout)\n",
+           replace="                g = group if group is not None else dist.group.WORLD\n"
+                   "                kv_pending = dist.batch_isend_irecv([\n"
+                   "                    dist.P2POp(dist.isend, kv, dist.get_global_rank(g, (rank - 1) % cp), g),\n"
+                   "                    dist.P2POp(dist.irecv, incoming, "
+                   "dist.get_global_rank(g, (rank + 1) % cp), g)])\n"
+                   "            k_ids = _chunk_ids(cp, (rank + step) % cp, layout)\n",
+           mistake="the backward passes K/V around the ring the other way (to undo the forward) while the dk/dv "
+                   "accumulators still travel forward: they no longer go with their block (06b §4)",
+           expect=r"∂L/∂k of its own keys|∂L/∂v of its own values"),
+    Mutant("cp-blocking-send", _CP,
+           find="    return dist.batch_isend_irecv([dist.P2POp(dist.isend, send, to_next, group, tag),\n"
+                "                                   dist.P2POp(dist.irecv, recv, from_prev, group, tag)])\n",
+           replace="    dist.send(send, to_next, group=group, tag=tag)\n"
+                   "    dist.recv(recv, from_prev, group=group, tag=tag)\n"
+                   "    return []\n",
+           mistake="blocking dist.send then dist.recv on every rank of the ring: each send waits for a receive its "
+                   "peer has not posted, a deadlock (06b §3)",
+           expect=r"deadlock"),
+    Mutant("cp-wait-before-compute", _CP,
+           find="                pending = _ring_exchange(kv, incoming, group)\n",
+           replace="                for work in _ring_exchange(kv, incoming, group):\n"
+                   "                    work.wait()\n"
+                   "                pending = []\n",
+           mistake="waits for the next block's transfer before attending the current block: correct, but the "
+                   "communication no longer overlaps the compute (06b §3)",
+           expect=r"does not overlap"),
+    Mutant("cp-zigzag-not-mirrored", _CP,
+           find="[cp_rank, 2 * cp - 1 - cp_rank]",
+           replace="[cp_rank, cp + cp_rank]",
+           mistake="the zig-zag layout's second chunk is cp + r instead of the mirrored 2cp − 1 − r: two chunks, "
+                   "still unbalanced (06b §5)",
+           expect=r"shard_positions|causal_work"),
+    Mutant("cp-gather-not-reordered", _CP,
+           find="    return full.index_copy_(dim, positions, torch.cat(shards, dim=dim))\n",
+           replace="    return torch.cat(shards, dim=dim)\n",
+           mistake="gather_sequence concatenates the shards in rank order: right for the contiguous layout, "
+                   "scrambled for zig-zag (06b §1)",
+           expect=r"gather_sequence"),
+    Mutant("cp-dq-overwritten", _CP,
+           find="                dq[qi] += dq_b.float()\n",
+           replace="                dq[qi] = dq_b.float()\n",
+           mistake="keeps only the last block's dq instead of summing every K/V block's share (06b §4)",
+           expect=r"∂L/∂q"),
+    Mutant("cp-work-counts-full-blocks", _CP,
+           find="    return [int((shard_positions(seq_len, cp, r, layout) + 1).sum()) for r in range(cp)]\n",
+           replace="    return [int(len(p) * (p.max() + 1)) for p in (shard_positions(seq_len, cp, r, layout) "
+                   "for r in range(cp))]\n",
+           mistake="counts every key up to the rank's last position for each of its queries, not j ≤ i (06b §5)",
+           expect=r"causal_work"),
+]
+MUTANTS += CP_MUTANTS
+
+# ---------------------------------------------------------------------------------- the fifth mesh axis (06b §6)
+_MESH, _T4, _ACC = "parallel/mesh.py", "parallel/train_4d.py", "parallel/accounting.py"
+MESH_CP_MUTANTS = [
+    Mutant("cp-grid-cp-outside-dp", _MESH,
+           find="    return torch.arange(pp * dp * ep * cp * tp).view(pp, dp, ep, cp, tp)\n",
+           replace="    return torch.arange(pp * dp * ep * cp * tp).view(pp, cp, dp, ep, tp).permute(0, 2, 3, 1, 4)\n",
+           mistake="numbers the ranks with cp outside dp and ep instead of just outside tp: the ring leaves the node "
+                   "(06b §6)",
+           expect=r"rank_grid|cp\)"),
+    Mutant("cp-dense-grads-not-over-cp", _MESH,
+           find="grid[p, :, :, :, t].flatten().tolist() for p in range(grid.shape[0]) for t in range(grid.shape[4])",
+           replace="grid[p, :, :, c, t].flatten().tolist() for p in range(grid.shape[0]) for c in range(grid.shape[3]) "
+                   "for t in range(grid.shape[4])",
+           mistake="averages the dense gradients over dp × ep only: each cp rank keeps the gradient of its own "
+                   "shard of the sequence (06b §6)",
+           expect=r"dense-gradient group"),
+    Mutant("cp-expert-grads-over-dp-only", _T4,
+           find="process_group=expert_grad_group(mesh))",
+           replace='process_group=mesh.get_group("dp"))',
+           mistake="averages the expert gradients over dp only: the cp ranks, whose experts saw different tokens, "
+                   "drift apart (06b §6)",
+           expect=r"cp2?_dp2.*gradient of layers\.\d+\.ffn\.w|cp.*gradient synchronisation"),
+    Mutant("cp-rotary-local-positions", _T4,
+           find="    model.set_positions(positions.to(model.lm_head.weight.device))\n",
+           replace="",
+           mistake="keeps rotary positions 0 … T/cp − 1 on every cp rank instead of the tokens' global positions "
+                   "(06b §6)",
+           expect=r"step-0 loss .*differs.*global rotary"),
+    Mutant("cp-targets-not-sharded-like-inputs", _T4,
+           find="        local_targets = shard_sequence(targets, cp=cfg.cp, cp_rank=cp_rank, layout=cfg.cp_layout, "
+                "dim=-1)\n",
+           replace="        local_targets = shard_sequence(targets, cp=cfg.cp, cp_rank=cp_rank, layout=\"contiguous\", "
+                   "dim=-1)\n",
+           mistake="cuts the targets contiguously while the inputs are zig-zag: a token's target is no longer the "
+                   "next token (06b §6)",
+           expect=r"step-0 loss .*differs.*sequence shards"),
+    Mutant("cp-pipeline-activation-full-sequence", _T4,
+           find="activation_shape=(cfg.micro_batch_size, cfg.seq_len // cfg.cp, cfg.model.d_model)",
+           replace="activation_shape=(cfg.micro_batch_size, cfg.seq_len, cfg.model.d_model)",
+           mistake="sizes the activations sent between pipeline stages for the whole sequence, not the rank's "
+                   "seq_len / cp tokens (06b §6)",
+           expect=r"cp2_dp2_pp2"),
+    Mutant("cp-accounting-full-sequence", _ACC,
+           find="b, t, d, m = cfg.micro_batch_size, cfg.seq_len // cfg.cp, cfg.model.d_model",
+           replace="b, t, d, m = cfg.micro_batch_size, cfg.seq_len, cfg.model.d_model",
+           mistake="counts the tp all-reduces and pp sends of the whole sequence, not the rank's seq_len / cp tokens "
+                   "(06b §6)",
+           expect=r"the cp group's left out"),
+    Mutant("cp-accounting-dkdv-not-home", _ACC,
+           find="        hops = 2 * (cfg.cp - 1) + 2 * (cfg.cp - 1) + 2 * cfg.cp",
+           replace="        hops = 2 * (cfg.cp - 1) + 2 * (cfg.cp - 1) + 2 * (cfg.cp - 1)",
+           mistake="counts cp − 1 hops for dK and dV, forgetting the last send that takes them home (06b §4, §6)",
+           expect=r"the ring's bytes"),
+    Mutant("cp-memory-activations-not-divided", _ACC,
+           find="    per_layer = activation_bytes_per_layer(seq_len / cp, micro_batch,",
+           replace="    per_layer = activation_bytes_per_layer(seq_len, micro_batch,",
+           mistake="leaves each cp rank the activations of the whole sequence (06b §6)",
+           expect=r"memory_per_device\(cp=4\)"),
+]
+MUTANTS += MESH_CP_MUTANTS
