@@ -1,4 +1,4 @@
-"""The leaderboard (kit/leaderboard.py): its gate rejects a step with a wrong loss and one with a wrong gradient and
+"""The leaderboard (kit/leaderboard/): its gate rejects a step with a wrong loss and one with a wrong gradient and
 lets the naive step through; an entry is written, stamped and hashed; ``--collect`` ranks entries and lists the
 failed, edited and mismatched ones; GPU tasks refuse to start without their GPUs. Plus the claim of handout 07b §4
 that the reference ``FusedAdamW`` equals ``torch.optim.AdamW`` bit for bit.
@@ -98,12 +98,18 @@ def test_gate_reports_a_step_that_raises():
 
 def test_tolerances_grow_with_the_rounding_of_the_dtype():
     config = leaderboard.step_config(CPU, {}, gate=True)
-    fp32 = leaderboard.tolerances(config, 128)
-    bf16 = leaderboard.tolerances({**config, "dtype": "bf16_autocast"}, 128)
-    weights = leaderboard.tolerances({**config, "dtype": "bf16"}, 128)
+    seen = {"logit_rms": 0.7, "loss": 4.8}  # the Stage 7 test model's first step
+    fp32 = leaderboard.tolerances(config, 128, **seen)
+    bf16 = leaderboard.tolerances({**config, "dtype": "bf16_autocast"}, 128, **seen)
+    weights = leaderboard.tolerances({**config, "dtype": "bf16"}, 128, **seen)
     assert fp32.grad < 1e-4 < 1e-2 < bf16.grad < 0.2
     assert weights.param_rounding > bf16.param_rounding == fp32.param_rounding
-    assert fp32.loss_rtol == pytest.approx(fp32.grad / 128**0.5)
+    # The loss: from the forward's half of the roundings, the logits' size and √tokens, plus the fp32 sum.
+    c_f = 4 * (config["model"]["num_layers"] + 1)
+    assert fp32.loss_atol == pytest.approx(4 * 2**0.5 * c_f * (fp32.grad / (2 * c_f)) * 0.7 / 128**0.5
+                                           + 128**0.5 * 2**-24 * 4.8)
+    # A bf16 step's loss may differ by well under the 2⁻⁹ relative rounding of a loss stored in bf16.
+    assert 0.0 < bf16.loss_atol < 2**-9 * 4.8 * 2
 
 
 def test_options_that_the_task_fixes_are_refused():

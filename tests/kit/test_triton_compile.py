@@ -163,3 +163,19 @@ def test_the_check_compiles_what_a_launch_compiles(tmp_path):
     assert [(r.error, r.shared, r.ptxas, r.ttir, r.inputs) for r in again] == \
         [(r.error, r.shared, r.ptxas, r.ttir, r.inputs) for r in ours]
     assert all("ptxas info" in r.ptxas for r in again)
+
+
+def test_a_compile_failure_keeps_the_compiler_s_reason(tmp_path):
+    """Triton's CompilationError names the source line; its reason ("K >= 16" for a tl.dot summing over 8
+    elements) is in the chained exception. The report keeps the chain, so the graded compile checks can say why."""
+    fa = launch_cases.reference()
+    bh, n = launch_cases.CONFIG_SHAPE
+    kind, d, is_causal, _ = launch_cases.ISSUE_CONFIGS[0]
+    q, k, v, do = launch_cases.make((bh, n, d), (bh, n, d), "contiguous", torch.bfloat16)
+    name = next(name for name, kd in kinds(fa).items() if kd == kind)
+    la = next(la for la in recorded(fa, q, k, v, do, is_causal) if la.name == name)
+    la = triton_compile.with_config(la, {"UPCAST": False, "DOT_PRECISION": "tf32", "BLOCK_M": 16, "BLOCK_N": 8,
+                                         "num_warps": 4, "num_stages": 1})
+    (report,) = triton_compile.compile_launches([la], tmp_path / "ours", ROOT, jobs=1, cache=tmp_path / "cache")
+    assert report.error.startswith("CompilationError"), report.error
+    assert "K >= 16" in report.error and "caused by" in report.error, report.error

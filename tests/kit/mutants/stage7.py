@@ -299,6 +299,12 @@ ISSUE_40_STEP = [
            expect=r"bf16 matmul",
            needs_gpu="on a CPU autocast('cpu') is the right call; on a GPU "
                      "test_step_bf16_autocast_multiplies_in_bf16 runs the step on CUDA and counts fp32 matmuls"),
+    Mutant("step-naive-loss-in-bf16", "whole_step/train_step.py",
+           find="            return cross_entropy(out, y)\n",
+           replace="            return torch.nn.functional.cross_entropy(out.flatten(0, 1), y.flatten())\n",
+           mistake="the naive loss taken straight on the bf16 logits under bf16_autocast: log-softmax and the mean "
+                   "over tokens run in bf16 and the loss is rounded to bf16, up to 0.4 % off (§5)",
+           expect=r"rounded to bf16"),
     Mutant("step-checkpointing-loop-variable-rebound", "whole_step/train_step.py",
            find="            block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)\n",
            replace="            block = functools.partial(checkpoint, block, use_reentrant=False)\n",
