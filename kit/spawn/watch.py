@@ -12,7 +12,11 @@ that the machine's load does not move:
   of 50. A blocked one only polls (a collective no peer joins checks its socket and the store a few times a
   second: about 0.6 % of a core, whatever the load). So the tree counts as progressing while, over the last
   :data:`WINDOW_S` seconds, one of its processes used at least :data:`MIN_RATE` of a core (one: eight ranks
-  that all poll add up to more, and make no progress either).
+  that all poll add up to more, and make no progress either) — or spent at least :data:`MIN_DEMAND` of the window
+  running or waiting in the run queue (``/proc/PID/schedstat``). The second test keeps a worker that the scheduler
+  starves (a grader run under ``nice`` beside a full machine gets a tenth of a nice-0 process's share: under
+  2 % of a core at a load of 40) from looking blocked: it wants a core all the time. A blocked process sleeps and
+  is runnable only for its brief polls.
 
 A wall-clock limit stays as the last resort (the caller's ``timeout``), far above both.
 
@@ -43,6 +47,7 @@ HAS_PROC = sys.platform.startswith("linux") and os.path.isdir("/proc/self") and 
 ACCOUNTED = HAS_PROC or psutil is not None  # whether other processes' CPU and parents can be read at all
 WINDOW_S = 5.0  # progress is judged over the last few seconds, not one sample
 MIN_RATE = 0.02  # of one core: a blocked tree's polling uses ~0.6 %
+MIN_DEMAND = 0.5  # of the window running or runnable: a starved worker is runnable all the time, a blocked one rarely
 
 
 @dataclass
@@ -81,6 +86,19 @@ def _stat_psutil(pid: int) -> tuple[int, str, float] | None:
         return None
 
 
+def _demand(pid: int) -> float | None:
+    """Seconds process ``pid`` has run or waited in a run queue for a core (``/proc/PID/schedstat``: time on a CPU,
+    then time runnable but waiting), or None where the kernel does not report it."""
+    if not HAS_PROC:
+        return None
+    try:
+        with open(f"/proc/{pid}/schedstat") as f:
+            on_cpu, waiting = (int(x) for x in f.read().split()[:2])
+    except (OSError, ValueError):
+        return None
+    return (on_cpu + waiting) / 1e9
+
+
 def parent_pid(pid: int) -> int | None:
     """The parent of process ``pid``; None if it is gone or cannot be read."""
     info = _stat(pid)
@@ -116,6 +134,7 @@ class TreeWatch:
     last_progress: float = field(default_factory=time.monotonic)
     started: float = field(default_factory=time.monotonic)
     history: deque = field(default_factory=deque)  # (time, {pid: CPU seconds}) of the samples in the window
+    demand_history: deque = field(default_factory=deque)  # (time, {pid: seconds running or runnable})
 
     def __post_init__(self) -> None:
         # What already ran (the persistent worker, a zygote it started earlier) counts from now: its CPU so far
@@ -147,13 +166,21 @@ class TreeWatch:
                 self.cpu_seen[pid] = max(self.cpu_seen.get(pid, 0.0), info[2] - self.baseline.get(pid, 0.0))
         now = time.monotonic()
         self.history.append((now, dict(self.cpu_seen)))
-        while self.history and self.history[0][0] < now - WINDOW_S:
-            self.history.popleft()
+        demands = {pid: d for pid in self.cpu_seen if (d := _demand(pid)) is not None}
+        self.demand_history.append((now, demands))
+        for history in (self.history, self.demand_history):
+            while history and history[0][0] < now - WINDOW_S:
+                history.popleft()
         start, before = self.history[0]
         span = max(now - start, 1e-9)
         # Progress is one process working, not many polling: 8 ranks blocked in gloo poll at ~0.6 % each.
         busiest = max((cpu - before.get(pid, 0.0) for pid, cpu in self.cpu_seen.items()), default=0.0)
-        if now - self.started < WINDOW_S or busiest >= MIN_RATE * span:
+        # Or one process wanting a core most of the window (running or queued), however little it gets.
+        demand_start, demand_before = self.demand_history[0]
+        demand_span = now - demand_start
+        wanting = max((d - demand_before[pid] for pid, d in demands.items() if pid in demand_before), default=0.0)
+        starved = demand_span >= WINDOW_S / 2 and wanting >= MIN_DEMAND * demand_span
+        if now - self.started < WINDOW_S or busiest >= MIN_RATE * span or starved:
             self.last_progress = now
         return sum(self.cpu_seen.values())
 

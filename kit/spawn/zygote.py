@@ -44,6 +44,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 
 from .confine import Rules
+from .watch import ACCOUNTED, TreeWatch
 
 __tracebackhide__ = True
 
@@ -60,7 +61,8 @@ PRELOAD = LIBRARY_PRELOAD + KIT_PRELOAD
 # start). A zygote started inside a worker (a benchmark driver the implementation runs, which spawns ranks to
 # time collectives) does without: its ranks build no optimizer, and its start is on the test's clock.
 TRAINING_PRELOAD = ("torch.optim", "torch._dynamo")
-START_TIMEOUT_S = 120.0  # importing torch on a loaded machine
+START_TIMEOUT_S = 120.0  # importing torch on a loaded machine: half of it without progress fails (see _receive)
+WALL_FACTOR = 5  # … and at most this many times it of wall clock, however busy the machine
 MAX_MESSAGE = 1 << 16
 
 
@@ -308,16 +310,25 @@ class Zygote:
         return str(self._hello.get("confinement", "unknown"))
 
     def _receive(self, wanted, timeout: float, doing: str, until=lambda: False) -> dict | None:
-        deadline = time.monotonic() + timeout
+        """The first message ``wanted`` accepts (None once ``until()``). ``timeout`` is judged as the checks' limits
+        are (:class:`~kit.spawn.watch.TreeWatch`): the zygote fails after ``timeout / 2`` seconds without progress
+        (no CPU used, not waiting for a core), or ``WALL_FACTOR × timeout`` of wall clock in all — a machine busy
+        enough to slow the import of torch tenfold slows the start, it does not fail it."""
+        watch = TreeWatch([self.process.pid])
+        started = time.monotonic()
         while True:
             if until():
                 return None
-            left = deadline - time.monotonic()
-            if left <= 0 or self.process.poll() is not None:
+            watch.sample()
+            wall = time.monotonic() - started
+            stalled = watch.idle_for() > timeout / 2 if ACCOUNTED else wall > timeout
+            if stalled or wall > WALL_FACTOR * timeout or self.process.poll() is not None:
                 code = self.process.poll()
-                raise ZygoteError(f"the worker zygote failed {doing} "
-                                  + (f"(it exited with code {code})" if code is not None else f"within {timeout:g} s"))
-            readable, _, _ = select.select([self.control], [], [], min(left, 0.5))
+                why = (f"(it exited with code {code})" if code is not None else
+                       f"within {wall:.0f} s (no progress for {watch.idle_for():.0f} s)" if stalled else
+                       f"within {wall:.0f} s although it kept working")
+                raise ZygoteError(f"the worker zygote failed {doing} {why}")
+            readable, _, _ = select.select([self.control], [], [], 0.5)
             if not readable:
                 continue
             message = self._parse(self.control.recv(MAX_MESSAGE))

@@ -203,3 +203,36 @@ def test_bad_arguments_are_named() -> None:
         run_on_ranks(_report_pid, 1, backend="mpi")
     with pytest.raises(TypeError, match="fn must be callable"):
         run_on_ranks(42, 1)  # type: ignore[arg-type]
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/schedstat") or not hasattr(os, "sched_setaffinity"),
+                    reason="needs Linux's /proc/PID/schedstat and CPU affinity")
+def test_a_starved_process_is_progressing_and_a_sleeping_one_is_not() -> None:
+    """Tell a hang from a machine that starves the worker: a spinner at nice 19 sharing one core with two nice-0
+    hogs gets about 1 % of the core (under the 2 % that counts as working) but is runnable all the time; a sleeper
+    uses nothing and waits for no core."""
+    import subprocess
+
+    from kit.spawn.watch import MIN_RATE, WINDOW_S, TreeWatch
+
+    core = sorted(os.sched_getaffinity(0))[0]
+    spin = [sys.executable, "-c", "while True: pass"]
+    hogs = [subprocess.Popen(spin, preexec_fn=lambda: os.sched_setaffinity(0, {core})) for _ in range(2)]
+    starved = subprocess.Popen(spin, preexec_fn=lambda: (os.sched_setaffinity(0, {core}), os.nice(19)))
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        watches = {"starved": TreeWatch([starved.pid]), "sleeper": TreeWatch([sleeper.pid])}
+        end = time.monotonic() + 2.5 * WINDOW_S
+        while time.monotonic() < end:
+            cpu = {name: w.sample() for name, w in watches.items()}
+            time.sleep(0.25)
+        wall = watches["starved"].wall()
+        assert watches["starved"].idle_for() < 1.0, (
+            f"a starved spinner ({cpu['starved']:.2f} CPU-s in {wall:.1f} s) was judged idle")
+        assert watches["sleeper"].idle_for() > WINDOW_S, "a sleeping process was judged to make progress"
+        # The first test alone would have called the spinner blocked when its share is below MIN_RATE: say so.
+        print(f"starved spinner: {cpu['starved'] / wall:.3f} of a core (MIN_RATE {MIN_RATE})")
+    finally:
+        for p in (*hogs, starved, sleeper):
+            p.kill()
+            p.wait()
