@@ -36,7 +36,7 @@ def junit_message(report: pytest.TestReport) -> str:
     has its ``failed on setup with "…"`` prefix before the shortening, which therefore keeps fewer of its lines."""
     crash = getattr(report.longrepr, "reprcrash", None)
     reason = getattr(crash, "message", None) or str(report.longrepr)
-    if report.when in ("setup", "teardown"):
+    if getattr(report, "when", "call") in ("setup", "teardown"):
         reason = f'failed on {report.when} with "{reason}"'
     return shorten_message(reason)
 

@@ -139,7 +139,13 @@ def test_leaderboard_refuses_a_world_other_than_its_tasks(launches) -> None:
                          timeout=120, succeed=False)
     for run in runs:
         text = _failed_fast(run, "leaderboard (rank", "task 'cpu' runs on 2 ranks",
-                            "WORLD_SIZE=4 (2 node(s) × 2 per node", "exitcode: 2")
+                            "WORLD_SIZE=4 (2 node(s) × 2 per node")
+        if "exitcode: 2" not in text:
+            # torchrun's own race, seen on a loaded machine: the agent that hosts the rendezvous store (node 0) left
+            # first, so this node's agent lost the store before printing its ranks' exit codes. Its ranks' refusal
+            # is printed above all the same; node 0's agent, which hosts the store, always reports them.
+            assert run is not runs[0] and ("RendezvousConnectionError" in text or "DistNetworkError" in text), (
+                f"{run.name}: expected its ranks' 'exitcode: 2' in torchrun's summary:\n{run.tail()}")
         assert "gate:" not in text, "no rank gated:\n" + run.tail()
         assert '/kit/leaderboard/' not in text, "a launch error is a message, not a traceback:\n" + run.tail()
         assert run.seconds < 60, f"{run.name} took {run.seconds:.0f} s to refuse"
@@ -165,7 +171,7 @@ def test_train_4d_refuses_a_world_its_mesh_cannot_use(launches) -> None:
     runs = launches.wait(torchrun_nodes(launches, ["-m", "reference.parallel.train_4d", "--dp", "2", "--tp", "2",
                                                    "--pp", "2"]), timeout=120, succeed=False)
     for run in runs:
-        _failed_fast(run, "train_4d (rank", "--dp 2 --tp 2 --pp 2 --ep 1 (dp·tp·pp·ep) needs 8 ranks",
+        _failed_fast(run, "train_4d (rank", "--dp 2 --tp 2 --pp 2 --ep 1 --cp 1 (dp·tp·pp·ep·cp) needs 8 ranks",
                      "WORLD_SIZE=4 (2 node(s) × 2 per node")
         assert 'train_4d.py", line' not in run.output, "a launch error is a message, not a traceback:\n" + run.tail()
     launches.assert_none_left()
