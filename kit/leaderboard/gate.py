@@ -179,10 +179,11 @@ def compare(records: list[dict], reference: dict, config: dict[str, Any], *, sec
         if not torch.isfinite(g).all() or float(err.max()) > tol.grad * scale:
             i = int(torch.nan_to_num(err, nan=math.inf).flatten().argmax())
             hint = _unaveraged_hint(g, reference, name, world, tol.grad * scale)
+            # The hint first: a report keeps a message's first 500 characters, and the derivation is long.
             failures.append(
                 f"rank 0: the gradient of {name} after the first step is off by {float(err.max()):.3g} at flat index "
-                f"{i} (got {float(g.flatten()[i]):.6g}, expected {float(e.flatten()[i]):.6g}); allowed "
-                f"{tol.grad:.3g} × max|g| = {tol.grad * scale:.3g} ({tol.why}).{hint} See {section}.")
+                f"{i} (got {float(g.flatten()[i]):.6g}, expected {float(e.flatten()[i]):.6g}).{hint} Allowed "
+                f"{tol.grad:.3g} × max|g| = {tol.grad * scale:.3g} ({tol.why}). See {section}.")
             break  # the first parameter off says enough; the rest follow from it
     for name in want_params:
         if name not in params or name not in want_grads:
@@ -203,10 +204,10 @@ def compare(records: list[dict], reference: dict, config: dict[str, Any], *, sec
             if not (math.isfinite(a) and abs(a - e) <= allowed):
                 failures.append(
                     f"rank {r}: the loss of step {s + 1} is {a:.7g}, the naive step's {e:.7g}: |diff| "
-                    f"{abs(a - e):.3g} > allowed {allowed:.3g} ({tol.loss_atol:.3g} × {1 + s}; {tol.why}). A loss "
-                    "rounded to bf16, or summed in bf16, is off by up to 0.4 %: sum the tokens' losses in fp32. "
-                    "The loss returned is "
-                    f"the mean over the global batch's tokens, the same on every rank. See {section}.")
+                    f"{abs(a - e):.3g} > allowed {allowed:.3g}. The loss returned is the mean over the global "
+                    "batch's tokens, the same on every rank; a loss rounded to bf16, or summed in bf16, is off by up "
+                    f"to 0.4 %: sum the tokens' losses in fp32. Allowed: {tol.loss_atol:.3g} × {1 + s} ({tol.why}). "
+                    f"See {section}.")
                 break
         if any(f.startswith("rank ") and "the loss of step" in f for f in failures):
             break  # one rank's wrong loss says enough
