@@ -193,7 +193,8 @@ def test_the_judge_cpu_meter_fails_the_test_that_spins_the_judge_and_grading_goe
     assert burnt["outcome"] == "failed", burnt
     assert ("the judge spent more than 0.5 CPU-seconds of its own on this test (--judge-cpu-limit; stopped in _burn, "
             "test_burn.py:") in burnt["longrepr"], burnt["longrepr"]
-    assert burnt["duration"] < 3, "stopped while it ran, not after its 5 CPU-seconds"
+    # "stopped in _burn" is the proof that it was stopped while it ran, not after its 5 CPU-seconds: a wall-clock
+    # bound (it was < 3 s) failed on a busy clean-machine run (3.15 s), which is what the meter exists to ignore.
     assert reports[("test_after_it", "call")]["outcome"] == "passed", "the next test is graded as usual"
 
     unmetered = _judge(tmp_path, "0")
