@@ -94,6 +94,6 @@ def test_a_job_launched_wrongly_says_why_and_stops(cluster, impl, tmp_path) -> N
     env = overrides(impl.package, MESH="--dp 2 --tp 2 --pp 2 --ep 1")
     info, output, seconds = submit_and_wait(cluster, tmp_path, env, timeout=120)
     assert info["JobState"] == "FAILED", f"{info['JobState']}\n{output[-3000:]}"
-    assert "--dp 2 --tp 2 --pp 2 --ep 1 (dp·tp·pp·ep) needs 8 ranks, but the launcher started WORLD_SIZE=4 " \
+    assert "--dp 2 --tp 2 --pp 2 --ep 1 --cp 1 (dp·tp·pp·ep·cp) needs 8 ranks, but the launcher started WORLD_SIZE=4 " \
            "(2 node(s) × 2 per node" in output, output[-3000:]
     print(f"sbatch → FAILED in {seconds:.1f} s, as it should")
