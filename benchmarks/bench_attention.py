@@ -13,7 +13,8 @@ scaled_dot_product_attention; its flash backend is forced on CUDA for bf16/fp16)
 Inputs are 4-D, ``(batch, heads, N, D)``: SDPA's fused backends accept nothing else (forced onto the flash
 backend, 3-D input has "No available kernel"). Grid on a GPU: sequence 128 … 32768 × head dim 16 … 128 ×
 {bf16, fp32}, batch·heads 16 (the leaderboard's: naive attention runs out of an 80 GB GPU's memory at
-N = 32768 in every dtype and mode, Problem 3.6), causal; on a CPU a small grid at batch 1. Goal rows
+N = 32768 in every dtype and mode but the bf16 forward, 66 GiB, Problem 3.6), causal; on a CPU a small grid at
+batch 1. Goal rows
 (``--goals`` runs only these, for ``sdpa`` and ``flash_triton`` unless ``--providers`` says otherwise): the
 leaderboard configuration (batch·heads 16, Nq = Nk = 16384, D = 64, causal, bf16; forward, backward and
 forward+backward) and a forward-throughput
@@ -194,7 +195,7 @@ def plan(args, on_cuda: bool) -> list[dict]:
     else:
         seqs, dims, dtypes = [128, 256, 512], [16, 64], ["fp32", "bf16"]
     # On a GPU the grid runs at the leaderboard's batch·heads, 16: naive attention's N × N tensors then exceed
-    # 80 GB at N = 32768 whatever the dtype and mode (at batch 1 they would still fit at 65536).
+    # 80 GB at N = 32768 in every dtype and mode but the bf16 forward (at batch 1 they would still fit at 65536).
     batch = 16 if on_cuda and not args.smoke else 1
     cells = [] if args.goals else [
         dict(config="grid", batch=batch, heads=1, seq=s, d_head=d, dtype=t, causal=True, modes=MODES)

@@ -42,11 +42,9 @@ def ok_rows() -> list[dict]:
 # ------------------------------------------------------------------------------------------ naive attention's peak
 
 @functools.cache
-def naive_peak_per_nn(dtype: str = "fp32", mode: str = "forward", n: int = 256, d: int = 64,
-                      batch_heads: int = 1) -> float:
-    """Peak bytes `kit.model.naive_attention` (causal) adds on top of its inputs at ``batch_heads``, per N²,
-    measured by torch.profiler's memory timeline on this CPU (exact byte counts) at a small N. The O(N·D) terms
-    are negligible against N² at the sizes of Problem 3.6 (D ≪ N)."""
+def naive_peak_bytes(dtype: str, mode: str, n: int, d: int, batch_heads: int) -> int:
+    """Peak bytes `kit.model.naive_attention` (causal) adds on top of its inputs, measured by torch.profiler's
+    memory timeline on this CPU (exact byte counts), for ``batch_heads`` problems of N = ``n``, D = ``d``."""
     import torch
 
     from kit import memory_timeline
@@ -66,7 +64,20 @@ def naive_peak_per_nn(dtype: str = "fp32", mode: str = "forward", n: int = 256, 
 
     timeline = memory_timeline.record(call)
     total = timeline.total()
-    return (max(total) - total[0]) / n**2
+    return max(total) - total[0]
+
+
+def naive_peak_per_nn(dtype: str = "fp32", mode: str = "forward", batch_heads: int = 1, n: int = 1024,
+                      d: int = 16) -> float:
+    """The N² coefficient of the peak, bytes per N², at ``batch_heads``.
+
+    The peak is a·N² + b·N·D: the score-sized tensors and the masks, plus q, k, v, O and their gradients. At a
+    small N the second term is not negligible — at N = 256, D = 64 one (N, D) tensor is 4D/N = 1 byte per N² in
+    fp32, a quarter of a score tensor — and scaled by N² to N = 32768 it would add 16 GiB that does not exist. So
+    measure at N and 2N: p(2N) − 2·p(N) = 2a·N² cancels the N·D part. (Both points peak at the same moment of
+    the forward or backward: at D ≪ N the N² tensors decide it.)"""
+    one, two = naive_peak_bytes(dtype, mode, n, d, batch_heads), naive_peak_bytes(dtype, mode, 2 * n, d, batch_heads)
+    return (two - 2 * one) / (2 * n * n)
 
 
 def naive_peak_split(dtype: str, mode: str) -> tuple[float, float]:
@@ -85,7 +96,7 @@ def naive_peak_gib(n: int, dtype: str, mode: str, batch_heads: int = 16) -> floa
 def naive_oom_table(seqs=(8192, 16384, 32768, 65536), batch_heads: int = 16, limit_gib: float = 79.1) -> str:
     """Predicted peak GiB of naive attention at batch·heads 16 per dtype and mode; OOM above ``limit_gib`` (an
     H100 80 GB's usable memory as torch reports it)."""
-    lines = ["| dtype | mode | bytes per N² per batch·head | shared (the mask) | "
+    lines = ["| dtype | mode | bytes per N² per batch·head | shared (the masks) | "
              + " | ".join(f"N = {n}" for n in seqs) + " |",
              "|---|---|---|---|" + "---|" * len(seqs)]
     for dtype in ("fp32", "bf16"):

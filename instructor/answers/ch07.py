@@ -174,6 +174,12 @@ def accumulators_in_flight_mb(sms: int = H100_SMS) -> float:
     return sms * 4 * gpu_tile("BLOCK_T") * D_MODEL / 1e6
 
 
+def accumulators_fit_l2_d(sms: int = H100_SMS, l2_mb: float = H100_L2_MB) -> float:
+    """The largest d at which the resident dH programs' fp32 accumulators (one program per SM, BLOCK_T × d × 4 B
+    each) fit in the L2 cache: sms · BLOCK_T · d · 4 ≤ L2 bytes."""
+    return l2_mb * 1e6 / (sms * 4 * gpu_tile("BLOCK_T"))
+
+
 def split_d_recompute(d: int, block_d: int | None = None) -> float:
     """Backward matmul sweeps (units of 2NVd) of the register-accumulator design: each of its two kernels
     recomputes the logits once per chunk of d, plus its own gradient matmul. ``block_d`` defaults to the
