@@ -93,9 +93,12 @@ def test_matches_torch_ddp_with_accumulation() -> None:
         ours = ranks.values(kind)
         for step in range(ACCUMULATION_STEPS):
             for rank in range(WORLD):
-                # torch DDP divides by the world size before its sum, ours may after: δ ≈ u·(|g₀| + |g₁|) per element.
-                # An AdamW step (lr 1e-2) moves by lr·δ/√v̂ ≈ lr·few·u ≈ 1e-9 (test_stage6_mesh_4d's
-                # _adamw_step_allowance), a sign flip only where |g| ≲ δ (odds ~u per element): rtol 1e-5 / atol 1e-6.
+                # torch DDP divides by the world size before its sum, ours may after. With WORLD = 2 both are exact
+                # in binary floating point (÷2 only lowers the exponent; g₀ + g₁ = g₁ + g₀), so the gradients AdamW
+                # sees are the same bits and so are the parameters; a division by 3 or a reordered sum would give
+                # δ ≈ u·(|g₀| + |g₁|), which AdamW could carry to ~lr where |g| ≲ δ (test_stage6_mesh_4d's
+                # _adamw_step_allowance). rtol 1e-5 / atol 1e-6 are slack; a missing ÷2 barely shows through AdamW
+                # (m̂/√v̂ ignores a uniform scale), but a lost or doubled micro-batch moves elements by ~lr = 1e-2.
                 for name, q in theirs[rank][step].items():
                     assert_close(ours[rank][step].get(name), q,
                                  name=f"rank {rank}, {kind} vs torch DDP, step {step + 1}: {name}",

@@ -44,7 +44,7 @@ def test_hidden_subgroup_with_lr_scheduler(hidden_ranks) -> None:
     assert_equal([g["lr"] for g in got["param_groups"]], [g["lr"] for g in expected["param_groups"]],
                  name="lr after the scheduler", section="handout 05 §4")
     for index, state in expected["state"].items():
-        for key, value in state.items():
+        for key, value in state.items():  # the owner's own AdamW state: bit for bit, TOL as slack (see above)
             assert_close(got["state"][index][key], value, name=f"state[{index}][{key!r}]", section="handout 05 §4",
                          rtol=1e-5, atol=1e-6)
 

@@ -115,8 +115,11 @@ class DriftBound:
       round to a neighbouring float: one ulp, at most ``2u·|x|``, per rounding.
     """
 
-    def __init__(self, optimizer: str, shape: torch.Size) -> None:
+    def __init__(self, optimizer: str, shape: torch.Size, options: dict[str, Any] | None = None) -> None:
+        """``options``: the parameter's group options (lr, betas, eps; momentum for SGD) where they are not
+        ``OPTIMIZERS[optimizer]``'s (Stage 5's ShardedOptimizer tests give vectors their own lr)."""
         self.name, (_, self.options) = optimizer, OPTIMIZERS[optimizer]
+        self.options = {**self.options, **(options or {})}
         zeros = torch.zeros(shape, dtype=torch.float64)
         self.bound, self.b, self.db, self.m, self.dm, self.v, self.dv, self.t = (zeros,) * 7 + (0,)
 
