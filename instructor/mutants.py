@@ -310,9 +310,11 @@ def run(stages: list[int], *, only: list[str] | None = None, timeout: float = 90
 def format_report(stage: int, verdicts: list[Verdict]) -> str:
     mistakes = [v for v in verdicts if not v.name.startswith("design:")]
     designs = [v for v in verdicts if v.name.startswith("design:")]
+    gpu_only = sum(v.verdict == "gpu-only" for v in mistakes)  # accounted for, but not caught: nothing was judged
     lines = [f"## Stage {stage} — {stage_registry.get(stage).title}: "
-             f"{sum(v.accounted for v in mistakes)}/{len(mistakes)} mistakes caught, "
-             f"{sum(v.accounted for v in designs)}/{len(designs)} alternative designs pass", "",
+             f"{sum(v.accounted for v in mistakes) - gpu_only}/{len(mistakes)} mistakes caught, "
+             + (f"{gpu_only} only judged on a GPU, " if gpu_only else "")
+             + f"{sum(v.accounted for v in designs)}/{len(designs)} alternative designs pass", "",
              "| mutant or design | verdict | caught by / first failure | message | s |", "|---|---|---|---|---|"]
     for v in verdicts:
         message = (v.message + ("; " + "; ".join(v.notes) if v.notes else "")).replace("|", "\\|")
