@@ -410,13 +410,13 @@ def whole_batch_drift() -> dict[str, torch.Tensor]:
     two param groups).
 
     The two gradients differ by rounding only: the whole batch sums each weight gradient's K = B·T token rows in
-    another order and the halves' average rounds once more, ≲ (K + 2 + 4)·u·mean|g_rank| per element (u = 2⁻²⁴),
-    the error model of ``support.fsdp.reference_run``. AdamW divides each element by its own running scale √v̂, so
-    where a gradient nearly cancels (|g| ≲ that error) one step may move by up to lr either way, however small
-    the rounding was: a flat tolerance is either too tight there on some CPU's summation order, or too loose
-    everywhere else. DriftBound carries each step's error through m, v and the update; ×4 covers what the
-    first-order analysis leaves out (compare() in tests/support/fsdp.py uses the same factor)."""
-    from tests.support.fsdp import DriftBound
+    another order and the halves' average rounds once more, ≲ (K + 2 + 4)·u·mean|g_rank| per element (u = 2⁻²⁴;
+    ``support.fsdp.whole_batch_rounding``, the error model of Stage 5b's ``reference_run``). AdamW divides each
+    element by its own running scale √v̂, so where a gradient nearly cancels (|g| ≲ that error) one step may move by
+    up to lr either way, however small the rounding was: a flat tolerance is either too tight there on some CPU's
+    summation order, or too loose everywhere else. DriftBound carries each step's error through m, v and the update;
+    ×4 covers what the first-order analysis leaves out (compare() in tests/support/fsdp.py uses the same factor)."""
+    from tests.support.fsdp import DriftBound, whole_batch_rounding
 
     model = make_model("transformer")
     optimizer = torch.optim.AdamW(param_groups(model), **ADAMW)
@@ -436,7 +436,7 @@ def whole_batch_drift() -> dict[str, torch.Tensor]:
                 continue  # frozen: no gradient, never moves
             p.grad = (halves[0][n] + halves[1][n]) / 2
             abs_mean = (halves[0][n].abs() + halves[1][n].abs()) / 2
-            errors[n] = (p.grad.clone(), (4 + x.numel() + 2) * 2.0**-24 * abs_mean)
+            errors[n] = (p.grad.clone(), whole_batch_rounding(abs_mean, x.numel(), world=2))
         optimizer.step()
         for n, p in model.named_parameters():
             if n in errors:

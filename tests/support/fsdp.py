@@ -146,6 +146,16 @@ class DriftBound:
         self.bound = self.bound + o["lr"] * step * differs + 3 * ulp * p.abs()  # decay, then the update
 
 
+def whole_batch_rounding(abs_mean: torch.Tensor, tokens: int, world: int, u_compute: float = U32) -> torch.Tensor:
+    """Per element, how far the average of ``world`` ranks' gradients may be from the whole batch's gradient.
+
+    The whole batch sums the K = ``tokens`` rows of each weight gradient in another order (K·u, at the per-rank
+    gradients' scale ``abs_mean`` = mean over ranks of |g_r|), the average rounds ``world`` more times, and the
+    whole batch rounds to the compute dtype once instead of once per rank: 4·u_c·mean|g_r| covers both roundings
+    and the short low-precision sums inside (an embedding row's gradient adds a token's few occurrences)."""
+    return (4 * u_compute + (tokens + world) * U32) * abs_mean
+
+
 def reference_run(kind: str, optimizer: str, world: int | list[int], *, compute_dtype: torch.dtype | None = None,
                   steps: int = STEPS) -> dict[str, Any]:
     """Single-process training that does FSDP's arithmetic, and single-process training on the whole batch.
@@ -178,12 +188,10 @@ def reference_run(kind: str, optimizer: str, world: int | list[int], *, compute_
             p.grad = total / world
             abs_mean = sum(g[n].abs() for g in per_rank) / world
             # The average of N fp32 numbers, summed in another order: N−1 roundings of partial sums and
-            # one of the division, each at most u times the sum of magnitudes.
-            # The whole batch sums the K rows (tokens) of each weight gradient in another order (K·u, at
-            # the per-rank gradients' scale), and rounds it to the compute dtype once instead of once per
-            # rank: 4u_c·mean|g_r| covers both roundings and the short low-precision sums inside (an
-            # embedding row's gradient adds a token's few occurrences).
-            errors[n] = (p.grad.clone(), world * U32 * abs_mean, (4 * u_compute + (x.numel() + world) * U32) * abs_mean)
+            # one of the division, each at most u times the sum of magnitudes. The whole batch: see
+            # whole_batch_rounding.
+            errors[n] = (p.grad.clone(), world * U32 * abs_mean,
+                         whole_batch_rounding(abs_mean, x.numel(), world, u_compute))
         opt_same.step()
         for n, p in same.named_parameters():
             grad, to_order, to_batch = errors[n]
